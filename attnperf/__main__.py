@@ -1,0 +1,3 @@
+from attnperf.cli import main
+
+raise SystemExit(main())

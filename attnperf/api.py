@@ -1,0 +1,54 @@
+"""The public entry points."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from attnperf import dispatch
+from attnperf.inputs import prepare
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    """Drop-in for torch's scaled_dot_product_attention, served by `backend`.
+
+    query (N, ..., Hq, L, E), key (N, ..., H, S, E), value (N, ..., H, S, Ev) ->
+    (N, ..., Hq, L, Ev). Same semantics as SDPA: a bool mask's True takes part, a float
+    mask is added to the scores, is_causal is top-left aligned, scale defaults to
+    1/sqrt(E), enable_gqa lets H divide Hq. Fully masked rows and empty key sequences
+    give zeros. `backend` is "auto" or a name from `backends()`.
+    """
+    inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return inputs.restore(dispatch.select(inputs, backend).run(inputs))
+
+
+def choose_backend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    backend: str = "auto",
+) -> str:
+    """The name of the backend that `attention` would run for these arguments."""
+    inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return dispatch.select(inputs, backend).name
+
+
+def backends() -> list[dict[str, object]]:
+    """The capability table: one dict per backend (name, availability, devices, dtypes, ...)."""
+    return [backend.describe() for backend in dispatch.registry().values()]

@@ -1,0 +1,58 @@
+"""Backend registry and the "auto" priority walk. Nothing ever falls back silently."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from attnperf.backend import Backend
+from attnperf.inputs import AttentionInputs
+from attnperf.kernels import BACKEND_MODULES
+
+# Fastest first, per device. On CPU, numba and sdpa are ordered per call by
+# `cpu_priority`, from measurements recorded there.
+PRIORITY = {
+    "cuda": ("triton", "sdpa", "reference"),
+    "cpu": ("sdpa", "numba", "reference"),
+}
+
+
+class BackendNotSupportedError(RuntimeError):
+    """No backend (or not the one asked for) can serve the call; the message lists why."""
+
+
+@functools.cache
+def registry() -> dict[str, Backend]:
+    """Every known backend by name, whether available on this machine or not."""
+    backends = (importlib.import_module(f"attnperf.kernels.{m}").BACKEND for m in BACKEND_MODULES)
+    return {backend.name: backend for backend in backends}
+
+
+def priority(inputs: AttentionInputs) -> tuple[str, ...]:
+    """The order in which "auto" tries the backends for this call."""
+    order = PRIORITY.get(inputs.device.type, ("reference",))
+    known = registry()
+    return tuple(name for name in order if name in known)
+
+
+def select(inputs: AttentionInputs, backend: str = "auto") -> Backend:
+    """The backend that serves `inputs`: the named one, or the first fitting one for "auto"."""
+    known = registry()
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    if backend != "auto":
+        if backend not in known:
+            raise ValueError(f"unknown backend {backend!r}; known: auto, {', '.join(known)}")
+        reasons = known[backend].not_supported_reasons(inputs)
+        if reasons:
+            raise BackendNotSupportedError(
+                f"backend {backend!r} cannot serve this call: {'; '.join(reasons)}"
+            )
+        return known[backend]
+    refusals = []
+    for name in priority(inputs):
+        reasons = known[name].not_supported_reasons(inputs)
+        if not reasons:
+            return known[name]
+        refusals.append(f"  {name}: {'; '.join(reasons)}")
+    raise BackendNotSupportedError("no backend can serve this call:\n" + "\n".join(refusals))

@@ -1,0 +1,221 @@
+"""Validation of an attention call and its normalised, 4-D form shared by every backend."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """One validated call with the leading dims flattened into a batch dim B.
+
+    query (B, Hq, L, E), key (B, H, S, E), value (B, H, S, Ev); attn_mask is None or a
+    broadcast view (B, Hq, L, S), bool (True takes part) or float (added to the scores),
+    whose stride is 0 along every broadcast dim. `out_shape` is the caller's output shape.
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    attn_mask: Tensor | None
+    dropout_p: float
+    is_causal: bool
+    scale: float
+    enable_gqa: bool
+    out_shape: tuple[int, ...]
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    @property
+    def mask_kind(self) -> str | None:
+        """None, "bool" or "float"."""
+        if self.attn_mask is None:
+            return None
+        return "bool" if self.attn_mask.dtype == torch.bool else "float"
+
+    @property
+    def batch(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def kv_len(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.shape[3]
+
+    @property
+    def value_dim(self) -> int:
+        return self.value.shape[3]
+
+    @property
+    def needs_grad(self) -> bool:
+        tensors = (self.query, self.key, self.value, self.attn_mask)
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+    def restore(self, out: Tensor) -> Tensor:
+        """Reshape a (B, Hq, L, Ev) result to the caller's layout."""
+        return out.reshape(self.out_shape)
+
+
+def prepare(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object = None,
+    dropout_p: object = 0.0,
+    is_causal: object = False,
+    scale: object = None,
+    enable_gqa: object = False,
+) -> AttentionInputs:
+    """Check a call against SDPA's contract and flatten it to AttentionInputs.
+
+    Raises TypeError or ValueError naming the offending argument.
+    """
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    assert isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"query must be a floating-point tensor (fp16, bf16, fp32, fp64), got {query.dtype}"
+        )
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != query.dtype:
+            raise TypeError(f"{name} dtype {tensor.dtype} must match query dtype {query.dtype}")
+        if tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device} but query is on {query.device}")
+    rank = query.dim()
+    if rank < 2 or key.dim() != rank or value.dim() != rank:
+        raise ValueError(
+            "query, key and value must have the same number of dims, at least 2 "
+            f"(..., L, E); got {query.dim()}, {key.dim()} and {value.dim()}"
+        )
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+    # Heads are dim -3 (absent for 2-D inputs); every dim before them is batch.
+    head_axis = () if rank == 2 else (rank - 3,)
+    batch_shape = tuple(query.shape[: rank - 2 - len(head_axis)])
+    for name, tensor in (("key", key), ("value", value)):
+        other = tuple(tensor.shape[: len(batch_shape)])
+        if other != batch_shape:
+            raise ValueError(
+                f"batch dims of {name} {other} must match those of query {batch_shape}"
+            )
+    q_heads = query.shape[-3] if head_axis else 1
+    kv_heads = key.shape[-3] if head_axis else 1
+    if head_axis and value.shape[-3] != kv_heads:
+        raise ValueError(f"key has {kv_heads} heads (dim -3) but value has {value.shape[-3]}")
+    if q_heads != kv_heads:
+        if not enable_gqa:
+            raise ValueError(
+                f"query has {q_heads} heads but key/value have {kv_heads}; "
+                "pass enable_gqa=True for grouped-query attention"
+            )
+        if kv_heads == 0 or q_heads % kv_heads:
+            raise ValueError(
+                f"enable_gqa needs key/value heads ({kv_heads}) to divide query heads ({q_heads})"
+            )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"key embedding dim E={key.shape[-1]} (last dim) must match query's E={query.shape[-1]}"
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"key sequence length S={key.shape[-2]} (dim -2) must match value's S={value.shape[-2]}"
+        )
+
+    batch = math.prod(batch_shape)
+    q_len, kv_len, head_dim = query.shape[-2], key.shape[-2], query.shape[-1]
+    mask4 = None
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot be given together")
+        full_shape = (*batch_shape, *((q_heads,) if head_axis else ()), q_len, kv_len)
+        mask4 = _prepare_mask(attn_mask, query, full_shape, len(batch_shape), (batch, q_heads))
+
+    return AttentionInputs(
+        query=query.reshape(batch, q_heads, q_len, head_dim),
+        key=key.reshape(batch, kv_heads, kv_len, head_dim),
+        value=value.reshape(batch, kv_heads, kv_len, value.shape[-1]),
+        attn_mask=mask4,
+        dropout_p=float(dropout_p),
+        is_causal=is_causal,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        enable_gqa=enable_gqa,
+        out_shape=(*query.shape[:-1], value.shape[-1]),
+    )
+
+
+def _prepare_mask(
+    mask: object,
+    query: Tensor,
+    full_shape: tuple[int, ...],
+    batch_dims: int,
+    batch_and_heads: tuple[int, int],
+) -> Tensor:
+    """Broadcast the mask to (B, Hq, L, S) as a view; only its own batch dims may be copied."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and mask.dtype not in (query.dtype, torch.float32):
+        raise TypeError(
+            f"attn_mask must be bool or floating point matching query ({query.dtype}) "
+            f"or float32, got {mask.dtype}"
+        )
+    if mask.device != query.device:
+        raise ValueError(f"attn_mask is on {mask.device} but query is on {query.device}")
+    try:
+        broadcast = torch.broadcast_shapes(mask.shape, full_shape)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != torch.Size(full_shape):
+        raise ValueError(
+            f"attn_mask of shape {tuple(mask.shape)} is not broadcastable to "
+            f"(..., Hq, L, S) = {full_shape}"
+        )
+    mask = mask.reshape((1,) * (len(full_shape) - mask.dim()) + tuple(mask.shape))
+    batch, heads = batch_and_heads
+    own = tuple(mask.shape[batch_dims:])
+    if any(size != 1 for size in mask.shape[:batch_dims]):
+        # Flattening batch dims of which only some are broadcast cannot be a view:
+        # this copies the mask over its batch dims only, never over heads, L or S.
+        mask = mask.expand(*full_shape[:batch_dims], *own).reshape(batch, *own)
+    else:
+        mask = mask.reshape(1, *own)
+    if len(own) == 2:  # 2-D inputs have no head dim
+        mask = mask.unsqueeze(1)
+    return mask.expand(batch, heads, full_shape[-2], full_shape[-1])

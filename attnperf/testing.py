@@ -1,0 +1,133 @@
+"""Agreement checks for attention kernels, usable on your own kernels too.
+
+The rule is FlashAttention's: against a float64 reference, a kernel's max error may be at
+most twice the error of PyTorch's own computation in the kernel's precision, plus a tiny
+absolute floor for the dtype.
+
+    exact = float64_reference(q, k, v, is_causal=True)
+    baseline = same_precision_reference(q, k, v, is_causal=True)
+    assert_agrees(my_kernel(q, k, v), exact, baseline)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnperf.inputs import prepare
+from attnperf.kernels.reference import reference_attention
+
+# Absolute floor added to the tolerance: torch.testing.assert_close's default atol per dtype.
+# It covers results whose baseline is exact by construction (one key: dq is exactly 0 in
+# autograd's softmax backward, rounding noise in FlashAttention's rowsum(dO * O) form).
+ABSOLUTE_FLOOR = {
+    torch.float64: 1e-7,
+    torch.float32: 1e-5,
+    torch.float16: 1e-5,
+    torch.bfloat16: 1e-5,
+}
+
+
+def same_precision_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """PyTorch's textbook attention in the inputs' own dtype (the baseline's precision)."""
+    inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return inputs.restore(reference_attention(inputs)[0])
+
+
+def float64_reference(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """The same computation in float64 (a float mask too): the ground truth, as float64."""
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.double()
+    return same_precision_reference(
+        query.double(), key.double(), value.double(), attn_mask, dropout_p, is_causal, scale,
+        enable_gqa,
+    )  # fmt: skip
+
+
+def max_error(actual: Tensor, expected: Tensor) -> float:
+    """Max |actual - expected|; positions where both are the same NaN/inf count as equal,
+    a NaN or inf on one side only counts as an infinite error."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if actual.shape != expected.shape:
+        raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    if actual.numel() == 0:
+        return 0.0
+    same = (actual == expected) | (actual.isnan() & expected.isnan())
+    diff = (actual - expected).abs().masked_fill(same, 0.0)
+    return float(diff.nan_to_num(nan=float("inf")).max())
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Outcome of one comparison under the rule."""
+
+    what: str
+    error: float
+    baseline_error: float
+    tolerance: float
+    report: str
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance
+
+
+def compare(actual: Tensor, exact: Tensor, baseline: Tensor, *, what: str = "output") -> Agreement:
+    """Judge `actual` against the float64 `exact` result, allowing twice `baseline`'s error."""
+    if actual.dtype != baseline.dtype:
+        raise ValueError(f"{what}: dtype {actual.dtype} differs from baseline's {baseline.dtype}")
+    baseline_error = max_error(baseline, exact)
+    tolerance = 2 * baseline_error + ABSOLUTE_FLOOR[baseline.dtype]
+    error = max_error(actual, exact)
+    return Agreement(
+        what, error, baseline_error, tolerance, mismatch_report(actual, exact, tolerance)
+    )
+
+
+def assert_agrees(actual: Tensor, exact: Tensor, baseline: Tensor, *, what: str = "output") -> None:
+    """Raise AssertionError, with a mismatch report, unless `actual` passes the rule."""
+    result = compare(actual, exact, baseline, what=what)
+    if not result.ok:
+        raise AssertionError(
+            f"{what}: max error {result.error:.3e} > tolerance {result.tolerance:.3e} "
+            f"(2 x baseline {result.baseline_error:.3e} + floor)\n{result.report}"
+        )
+
+
+def mismatch_report(actual: Tensor, expected: Tensor, tolerance: float) -> str:
+    """How many elements differ by more than `tolerance`, the worst one, NaN/inf disagreement."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if actual.numel() == 0:
+        return "empty tensors: nothing differs"
+    same = (actual == expected) | (actual.isnan() & expected.isnan())
+    diff = (actual - expected).abs().masked_fill(same, 0.0).nan_to_num(nan=float("inf"))
+    bad = diff > tolerance
+    nonfinite_mismatch = int((actual.isfinite() != expected.isfinite()).sum())
+    worst = int(diff.argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), actual.shape))
+    return (
+        f"{int(bad.sum())} of {actual.numel()} elements differ by more than {tolerance:.3e}; "
+        f"worst at {index}: actual {actual.flatten()[worst].item():.6g}, "
+        f"expected {expected.flatten()[worst].item():.6g}; "
+        f"{nonfinite_mismatch} NaN/inf disagreements"
+    )

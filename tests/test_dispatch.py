@@ -1,0 +1,88 @@
+"""What "auto" picks, and how refusals are reported."""
+
+import pytest
+import torch
+
+import attnperf
+from attnperf import dispatch
+from attnperf.backend import Backend
+from attnperf.kernels.reference import BACKEND as REFERENCE
+
+
+class FakeBackend(Backend):
+    description = "test double"
+    capabilities = REFERENCE.capabilities
+
+    def __init__(self, name, reasons=()):
+        self.name = name
+        self._reasons = list(reasons)
+
+    def extra_reasons(self, inputs):
+        return self._reasons
+
+    def run(self, inputs):
+        return torch.full((*inputs.query.shape[:-1], inputs.value_dim), float(len(self.name)))
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    def install(*backends):
+        monkeypatch.setattr(dispatch, "registry", lambda: {b.name: b for b in backends})
+        monkeypatch.setitem(dispatch.PRIORITY, "cpu", tuple(b.name for b in backends))
+
+    return install
+
+
+def qkv():
+    return tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
+
+
+def test_auto_takes_the_first_backend_without_reasons(fake_registry):
+    fake_registry(FakeBackend("first", ["busy"]), FakeBackend("second"), FakeBackend("third"))
+    assert attnperf.choose_backend(*qkv()) == "second"
+    assert torch.all(attnperf.attention(*qkv()) == len("second"))
+
+
+def test_auto_with_nothing_fitting_lists_every_reason(fake_registry):
+    fake_registry(FakeBackend("first", ["too busy"]), FakeBackend("second", ["on holiday"]))
+    with pytest.raises(attnperf.BackendNotSupportedError) as error:
+        attnperf.attention(*qkv())
+    assert "first: too busy" in str(error.value)
+    assert "second: on holiday" in str(error.value)
+
+
+def test_explicit_backend_refusal_lists_its_reasons_and_never_falls_back(fake_registry):
+    fake_registry(FakeBackend("picky", ["head dim 8 too small"]), FakeBackend("other"))
+    with pytest.raises(attnperf.BackendNotSupportedError, match=r"'picky'.*head dim 8 too small"):
+        attnperf.attention(*qkv(), backend="picky")
+
+
+def test_declared_capabilities_refuse_with_reasons():
+    class NoDropout(FakeBackend):
+        capabilities = REFERENCE.capabilities.__class__(
+            **{**REFERENCE.capabilities.__dict__, "dropout": False, "dtypes": (torch.float64,)}
+        )
+
+    from attnperf.inputs import prepare
+
+    reasons = NoDropout("nodrop").not_supported_reasons(prepare(*qkv(), dropout_p=0.5))
+    assert reasons == ["dtype fp32 not in (fp64)", "dropout_p > 0 not supported"]
+
+
+def test_auto_on_cpu_picks_an_available_backend_from_the_priority_list():
+    name = attnperf.choose_backend(*qkv())
+    assert name in dispatch.PRIORITY["cpu"]
+    assert dispatch.registry()[name].unavailable_reason() is None
+
+
+def test_auto_with_dropout_picks_a_backend_declaring_dropout():
+    name = attnperf.choose_backend(*qkv(), dropout_p=0.1)
+    assert dispatch.registry()[name].capabilities.dropout
+
+
+def test_capability_table_lists_every_backend():
+    table = attnperf.backends()
+    assert [row["name"] for row in table] == list(dispatch.registry())
+    for row in table:
+        assert row["available"] == (row["unavailable_reason"] is None)
+        assert {"devices", "dtypes", "features", "max_head_dim"} <= row.keys()

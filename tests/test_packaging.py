@@ -1,0 +1,39 @@
+"""`kernels/` installs as `attnperf.kernels`, never as a top-level `kernels` module."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = "import attnperf.kernels.reference as m, importlib.util as u; print(m.__file__); " \
+    "print(u.find_spec('kernels'))"  # fmt: skip
+
+
+def test_installed_package_imports_attnperf_kernels_from_outside_the_repo(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
+    module_file, kernels_spec = result.stdout.splitlines()
+    assert Path(module_file).parent.name == "kernels"
+    assert kernels_spec == "None" or str(REPO) not in kernels_spec
+
+
+def test_wheel_maps_kernels_under_attnperf(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(tmp_path / "dist"), str(REPO)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("attnperf-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "attnperf/kernels/reference.py" in names
+    assert not [name for name in names if name.startswith("kernels/")]
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", f"import sys; sys.path[:0] = [{str(site)!r}] + "
+         f"{[p for p in sys.path if 'site-packages' in p]!r}; {PROBE}"],
+        capture_output=True, text=True, cwd=tmp_path, check=True,
+    )  # fmt: skip
+    assert result.stdout.splitlines()[0].startswith(str(site))
