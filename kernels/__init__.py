@@ -4,4 +4,4 @@ Each module defines `BACKEND`, an `attnperf.backend.Backend`. Importing a module
 imports an optional dependency's compiled code paths, compiles, or probes a device.
 """
 
-BACKEND_MODULES = ("reference", "sdpa")
+BACKEND_MODULES = ("reference", "sdpa", "numba_cpu", "triton_gpu")

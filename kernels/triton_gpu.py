@@ -1,0 +1,524 @@
+"""The triton backend: a fused FlashAttention-2-style GPU kernel, forward and backward.
+
+One program per (query tile, batch x head) loops over key tiles with a running max and sum
+in base 2 (log2(e) folded into the scale). Masks are read tile by tile through their
+broadcast strides, GQA is index arithmetic, ragged edges are masked. The backward pass is
+FlashAttention-2's: a rowsum(dO * O) preprocess, a dK/dV kernel and a dQ kernel,
+deterministic (no atomics). Without a GPU the kernels run on CPU tensors through Triton's
+interpreter (TRITON_INTERPRET=1, set before attnperf's kernels are first used).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from attnperf.backend import Backend, Capabilities
+from attnperf.inputs import AttentionInputs
+
+try:
+    import triton
+    import triton.language as tl
+
+    _MISSING = None
+except ImportError as error:
+    triton = tl = None
+    _MISSING = f"triton is not installed ({error}); pip install 'attnperf[gpu]'"
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+MAX_HEAD_DIM = 256
+
+
+def _jit(function):
+    return triton.jit(function) if triton is not None else function
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# ---------------------------------------------------------------------------- tuning
+def forward_configs() -> list:
+    """Autotune space of the forward kernel; one small config under the interpreter."""
+    if triton is None:
+        return []
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm in (64, 128)
+        for bn in (32, 64, 128)
+        for w in (4, 8)
+        for s in (2, 3, 4)
+    ]
+
+
+def prune_forward_configs(configs, named_args, **kwargs):
+    """Drop tiles that overflow shared memory at large head dims or dwarf short sequences."""
+    args = {**named_args, **kwargs}
+    head_dim = max(args["BLOCK_D"], args["BLOCK_DV"])
+    q_len = args["q_len"]
+    kept = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_N"] * head_dim <= 128 * 128
+        and c.kwargs["BLOCK_M"] * head_dim <= 128 * 256
+        and (c.kwargs["BLOCK_M"] <= max(_next_power_of_2(q_len), 64))
+    ]
+    return kept or configs[:1]
+
+
+BACKWARD_BLOCK = 32 if INTERPRET else 64
+
+
+def _autotune(**kwargs):
+    if triton is None:
+        return lambda function: function
+    return triton.autotune(**kwargs)
+
+
+# ---------------------------------------------------------------------------- kernels
+@_jit
+def load_scores(
+    q, K, V_unused, Mask, b, h, hk, offs_m, start_n, q_len, kv_len, head_dim, scale2,
+    skn, skd, smb, smh, smm, smn,
+    MASK_KIND: tl.constexpr, APPLY_CAUSAL: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """Base-2 scores (BLOCK_M, BLOCK_N) of one tile: scale, mask, causal and ragged edges."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = tl.load(
+        K + offs_n[None, :] * skn + offs_d[:, None] * skd,
+        mask=(offs_n[None, :] < kv_len) & (offs_d[:, None] < head_dim),
+        other=0.0,
+    )
+    if WIDEN_DOT:
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32))
+    elif IEEE:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * scale2
+    in_bounds = (offs_m[:, None] < q_len) & (offs_n[None, :] < kv_len)
+    if MASK_KIND != 0:
+        mask_ptrs = Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn
+        if MASK_KIND == 2:
+            s += tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32) * 1.4426950408889634
+        else:  # bool: added as 0 / -inf like SDPA, so a NaN score stays NaN
+            allowed = tl.load(mask_ptrs, mask=in_bounds, other=1) != 0
+            s += tl.where(allowed, 0.0, float("-inf"))
+    if APPLY_CAUSAL:
+        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+    if not EVEN_N:
+        s = tl.where(offs_n[None, :] < kv_len, s, float("-inf"))
+    return s
+
+
+@_jit
+def dot_pv(p, v, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr):
+    if WIDEN_DOT:
+        return tl.dot(p, v.to(tl.float32))
+    if IEEE:
+        return tl.dot(p, v, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v)
+
+
+@_autotune(
+    configs=forward_configs(),
+    key=["q_len_class", "kv_len_class", "head_dim", "value_dim", "MASK_KIND", "CAUSAL"],
+    prune_configs_by={"early_config_prune": prune_forward_configs},
+)
+@(
+    triton.heuristics({"EVEN_N": lambda args: args["kv_len"] % args["BLOCK_N"] == 0})
+    if triton
+    else (lambda f: f)
+)
+@_jit
+def online_softmax_forward_kernel(
+    Q, K, V, Mask, Out, Lse2,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    smb, smh, smm, smn, sob, soh, som, sod,
+    q_heads, group, q_len, kv_len, head_dim, value_dim, scale2, q_len_class, kv_len_class,
+    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """Out (B, Hq, L, Ev) and base-2 logsumexp Lse2 (B, Hq, L) for one query tile."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // q_heads
+    h = bh % q_heads
+    hk = h // group
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+        mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim),
+        other=0.0,
+    )
+    K_bh = K + b * skb + hk * skh
+    V_bh = V + b * svb + hk * svh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # Causal: tiles left of the diagonal need no causal mask, tiles right of it are skipped.
+    diagonal_start = kv_len
+    kv_end = kv_len
+    if CAUSAL:
+        diagonal_start = tl.minimum((tile * BLOCK_M) // BLOCK_N * BLOCK_N, kv_len)
+        kv_end = tl.minimum((tile + 1) * BLOCK_M, kv_len)
+    for phase in tl.static_range(2):
+        lo = 0 if phase == 0 else diagonal_start
+        hi = diagonal_start if phase == 0 else kv_end
+        for start_n in range(lo, hi, BLOCK_N):
+            s = load_scores(
+                q, K_bh, V, Mask, b, h, hk, offs_m, start_n, q_len, kv_len,
+                head_dim, scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, phase == 1, EVEN_N,
+                BLOCK_N, BLOCK_D, WIDEN_DOT, IEEE,
+            )  # fmt: skip
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with nothing allowed yet shifts by 0: its exp2 stays 0, not NaN.
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - shift[:, None])
+            alpha = tl.math.exp2(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            v = tl.load(
+                V_bh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                mask=(offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim),
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + dot_pv(p, v, WIDEN_DOT, IEEE)
+            m_i = m_new
+    # Fully masked rows (sum 0) give 0; their lse is +inf so backward p = 0 as well.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse2 = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_i))
+    tl.store(
+        Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
+        out.to(Out.dtype.element_ty),
+        mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < value_dim),
+    )
+    tl.store(Lse2 + bh * q_len + offs_m, lse2, mask=offs_m < q_len)
+
+
+@_jit
+def attention_backward_preprocess(
+    Out, GradOut, Delta, rows, value_dim, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr
+):
+    """Delta = rowsum(dO * O) over contiguous (rows, Ev) views, in fp32."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < rows) & (offs_dv[None, :] < value_dim)
+    ptrs = offs_m[:, None] * value_dim + offs_dv[None, :]
+    o = tl.load(Out + ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(GradOut + ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + offs_m, tl.sum(o * do, 1), mask=offs_m < rows)
+
+
+@_jit
+def recompute_probabilities(
+    q, K_bh, Mask, Lse2, b, h, hk, bh, offs_m, start_n, q_len, kv_len, head_dim, scale2,
+    skn, skd, smb, smh, smm, smn,
+    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """P (BLOCK_M, BLOCK_N) of one tile from the saved base-2 logsumexp."""
+    s = load_scores(
+        q, K_bh, K_bh, Mask, b, h, hk, offs_m, start_n, q_len, kv_len,
+        head_dim, scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, False, BLOCK_N,
+        BLOCK_D, WIDEN_DOT, IEEE,
+    )  # fmt: skip
+    lse2 = tl.load(Lse2 + bh * q_len + offs_m, mask=offs_m < q_len, other=float("inf"))
+    return tl.math.exp2(s - lse2[:, None])
+
+
+@_jit
+def attention_backward_dkdv_kernel(
+    Q, K, V, Mask, GradOut, Lse2, Delta, DK, DV,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    smb, smh, smm, smn, sdb, sdh, sdm, sdd,
+    q_heads, kv_heads, group, q_len, kv_len, head_dim, value_dim, scale2, scale,
+    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one key tile, summed over the query heads of its group (no atomics).
+
+    GradOut is contiguous (B, Hq, L, Ev); DK, DV are contiguous like K, V.
+    """
+    tile = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // kv_heads
+    hk = bhk % kv_heads
+    start_n = tile * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    K_bh = K + b * skb + hk * skh
+    v = tl.load(
+        V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+        mask=(offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim),
+        other=0.0,
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    q_start = 0
+    if CAUSAL:  # rows above the tile's first key see none of its keys
+        q_start = start_n // BLOCK_M * BLOCK_M
+    for h in range(hk * group, (hk + 1) * group):
+        bh = b * q_heads + h
+        for start_m in range(q_start, q_len, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = tl.load(
+                Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim),
+                other=0.0,
+            )
+            p = recompute_probabilities(
+                q, K_bh, Mask, Lse2, b, h, hk, bh, offs_m, start_n, q_len, kv_len, head_dim,
+                scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, BLOCK_N, BLOCK_D,
+                WIDEN_DOT, IEEE,
+            )  # fmt: skip
+            do = tl.load(
+                GradOut + (bh * q_len + offs_m[:, None]) * value_dim + offs_dv[None, :],
+                mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < value_dim),
+                other=0.0,
+            )
+            dv += dot_pv(tl.trans(p), do, WIDEN_DOT, IEEE)
+            dp = dot_pv(do.to(tl.float32) if WIDEN_DOT else do, tl.trans(v), WIDEN_DOT, IEEE)
+            delta = tl.load(Delta + bh * q_len + offs_m, mask=offs_m < q_len, other=0.0)
+            ds = p * (dp - delta[:, None])
+            dk += dot_pv(tl.trans(ds), q, WIDEN_DOT, IEEE)
+    out_mask_k = (offs_n[:, None] < kv_len) & (offs_d[None, :] < head_dim)
+    out_mask_v = (offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim)
+    base = bhk * kv_len + offs_n[:, None]
+    tl.store(DK + base * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=out_mask_k)  # fmt: skip
+    tl.store(DV + base * value_dim + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=out_mask_v)
+
+
+@_jit
+def attention_backward_dq_kernel(
+    Q, K, V, Mask, GradOut, Lse2, Delta, DQ, DMask,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    smb, smh, smm, smn,
+    q_heads, group, q_len, kv_len, head_dim, value_dim, scale2, scale,
+    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, WANT_DMASK: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query tile; with WANT_DMASK also dS into a contiguous (B, Hq, L, S) DMask."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // q_heads
+    h = bh % q_heads
+    hk = h // group
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < q_len
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+        mask=row_ok[:, None] & (offs_d[None, :] < head_dim),
+        other=0.0,
+    )
+    do = tl.load(
+        GradOut + (bh * q_len + offs_m[:, None]) * value_dim + offs_dv[None, :],
+        mask=row_ok[:, None] & (offs_dv[None, :] < value_dim),
+        other=0.0,
+    )
+    delta = tl.load(Delta + bh * q_len + offs_m, mask=row_ok, other=0.0)
+    K_bh = K + b * skb + hk * skh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = kv_len
+    if CAUSAL:
+        kv_end = tl.minimum((tile + 1) * BLOCK_M, kv_len)
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        p = recompute_probabilities(
+            q, K_bh, Mask, Lse2, b, h, hk, bh, offs_m, start_n, q_len, kv_len, head_dim,
+            scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, BLOCK_N, BLOCK_D,
+            WIDEN_DOT, IEEE,
+        )  # fmt: skip
+        v = tl.load(
+            V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+            mask=(offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim),
+            other=0.0,
+        )
+        dp = dot_pv(do.to(tl.float32) if WIDEN_DOT else do, tl.trans(v), WIDEN_DOT, IEEE)
+        ds = p * (dp - delta[:, None])
+        if WANT_DMASK:
+            tl.store(
+                DMask + (bh * q_len + offs_m[:, None]) * kv_len + offs_n[None, :],
+                ds,
+                mask=row_ok[:, None] & (offs_n[None, :] < kv_len),
+            )
+        k = tl.load(
+            K_bh + offs_n[:, None] * skn + offs_d[None, :] * skd,
+            mask=(offs_n[:, None] < kv_len) & (offs_d[None, :] < head_dim),
+            other=0.0,
+        )
+        dq += dot_pv(ds, k, WIDEN_DOT, IEEE)
+    tl.store(
+        DQ + (bh * q_len + offs_m[:, None]) * head_dim + offs_d[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_d[None, :] < head_dim),
+    )
+
+
+# ---------------------------------------------------------------------------- launchers
+def _mask_args(inputs: AttentionInputs, like: Tensor) -> tuple[Tensor, tuple[int, ...], int]:
+    """The mask tensor (a dummy when absent), its 4 strides (0 where broadcast) and kind."""
+    mask = inputs.attn_mask
+    if mask is None:
+        return like, (0, 0, 0, 0), MASK_NONE
+    return mask.detach(), mask.stride(), MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT
+
+
+def _kernel_flags(inputs: AttentionInputs) -> dict:
+    return {
+        "BLOCK_D": max(_next_power_of_2(inputs.head_dim), 16),
+        "BLOCK_DV": max(_next_power_of_2(inputs.value_dim), 16),
+        # The interpreter's low-precision dot is wrong: widen to fp32 there only.
+        "WIDEN_DOT": INTERPRET,
+        # fp32 inputs are computed in IEEE fp32, not TF32, so they match SDPA's fp32.
+        "IEEE": inputs.dtype == torch.float32,
+    }
+
+
+def _store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The interpreter casts fp32 to bf16 by truncation: there, results are stored in fp32
+    and rounded by torch."""
+    return torch.float32 if INTERPRET and dtype == torch.bfloat16 else dtype
+
+
+def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+    """(out (B, Hq, L, Ev) in the inputs' dtype, lse2 (B, Hq, L) fp32, logsumexp in base 2)."""
+    q, k, v = inputs.query.detach(), inputs.key.detach(), inputs.value.detach()
+    batch, q_heads, q_len, _ = q.shape
+    out_dtype = _store_dtype(q.dtype)
+    out = torch.empty((*q.shape[:3], inputs.value_dim), dtype=out_dtype, device=q.device)
+    lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or inputs.kv_len == 0:
+        out.zero_()
+        lse2.fill_(float("inf"))
+        return out.to(q.dtype), lse2
+    mask, mask_strides, mask_kind = _mask_args(inputs, q)
+    grid = lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), batch * q_heads)  # noqa: E731
+    online_softmax_forward_kernel[grid](
+        q, k, v, mask, out, lse2, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
+        *out.stride(), q_heads, q_heads // inputs.kv_heads, q_len, inputs.kv_len,
+        inputs.head_dim, inputs.value_dim, inputs.scale * LOG2E, _next_power_of_2(q_len),
+        _next_power_of_2(inputs.kv_len), MASK_KIND=mask_kind, CAUSAL=inputs.is_causal,
+        **_kernel_flags(inputs),
+    )  # fmt: skip
+    return out.to(q.dtype), lse2
+
+
+def triton_attention_backward(
+    inputs: AttentionInputs, out: Tensor, lse2: Tensor, grad_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(dq, dk, dv, dmask or None) by FlashAttention-2's deterministic scheme."""
+    q, k, v = inputs.query.detach(), inputs.key.detach(), inputs.value.detach()
+    batch, q_heads, q_len, _ = q.shape
+    kv_heads, kv_len = inputs.kv_heads, inputs.kv_len
+    grad_dtype = _store_dtype(q.dtype)
+    dq = torch.zeros((*q.shape[:3], inputs.head_dim), dtype=grad_dtype, device=q.device)
+    dk = torch.zeros((batch, kv_heads, kv_len, inputs.head_dim), dtype=grad_dtype, device=q.device)
+    dv = torch.zeros((batch, kv_heads, kv_len, inputs.value_dim), dtype=grad_dtype, device=q.device)
+    want_dmask = inputs.mask_kind == "float" and inputs.attn_mask.requires_grad
+    dmask = torch.zeros((batch, q_heads, q_len, kv_len), dtype=torch.float32, device=q.device)
+    if not want_dmask:
+        dmask = dmask[:0]
+    dmask_or_none = dmask if want_dmask else None
+    if q.numel() == 0 or kv_len == 0:
+        return _finish_grads(inputs, dq, dk, dv, dmask_or_none)
+    grad_out = grad_out.contiguous()
+    out = out.contiguous()
+    delta = torch.empty((batch, q_heads, q_len), dtype=torch.float32, device=q.device)
+    flags = _kernel_flags(inputs)
+    rows = batch * q_heads * q_len
+    attention_backward_preprocess[(triton.cdiv(rows, 64),)](
+        out, grad_out, delta, rows, inputs.value_dim, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"]
+    )
+    mask, mask_strides, mask_kind = _mask_args(inputs, q)
+    block = BACKWARD_BLOCK
+    common = (*q.stride(), *k.stride(), *v.stride(), *mask_strides)
+    attention_backward_dkdv_kernel[(triton.cdiv(kv_len, block), batch * kv_heads)](
+        q, k, v, mask, grad_out, lse2, delta, dk, dv, *common, *dk.stride(), q_heads, kv_heads,
+        q_heads // kv_heads, q_len, kv_len, inputs.head_dim, inputs.value_dim,
+        inputs.scale * LOG2E, inputs.scale, MASK_KIND=mask_kind, CAUSAL=inputs.is_causal,
+        BLOCK_M=block, BLOCK_N=block, **flags,
+    )  # fmt: skip
+    attention_backward_dq_kernel[(triton.cdiv(q_len, block), batch * q_heads)](
+        q, k, v, mask, grad_out, lse2, delta, dq, dmask, *common, q_heads, q_heads // kv_heads,
+        q_len, kv_len, inputs.head_dim, inputs.value_dim, inputs.scale * LOG2E, inputs.scale,
+        MASK_KIND=mask_kind, CAUSAL=inputs.is_causal, WANT_DMASK=want_dmask, BLOCK_M=block,
+        BLOCK_N=block, **flags,
+    )  # fmt: skip
+    return _finish_grads(inputs, dq, dk, dv, dmask_or_none)
+
+
+def _finish_grads(inputs, dq, dk, dv, dmask):
+    dtype = inputs.dtype
+    dmask = None if dmask is None else dmask.to(inputs.attn_mask.dtype)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype), dmask
+
+
+class TritonAttention(torch.autograd.Function):
+    """Autograd over the fused kernels; saves (out, lse2), never the L x S probabilities."""
+
+    @staticmethod
+    def forward(ctx, inputs: AttentionInputs, query, key, value, attn_mask):
+        out, lse2 = triton_attention_forward(inputs)
+        ctx.inputs = inputs
+        ctx.save_for_backward(out, lse2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out, lse2 = ctx.saved_tensors
+        dq, dk, dv, dmask = triton_attention_backward(ctx.inputs, out, lse2, grad_out)
+        return None, dq, dk, dv, dmask
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    description = "fused FlashAttention-2-style GPU kernel (Triton), online softmax in base 2"
+    capabilities = Capabilities(
+        devices=("cuda", "cpu") if INTERPRET else ("cuda",),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        max_head_dim=MAX_HEAD_DIM,
+        bool_mask=True,
+        float_mask=True,
+        causal=True,
+        gqa=True,
+        dropout=False,
+        backward=True,
+    )
+
+    def unavailable_reason(self) -> str | None:
+        if _MISSING:
+            return _MISSING
+        if not INTERPRET and not torch.cuda.is_available():
+            return (
+                "no CUDA GPU (TRITON_INTERPRET=1, set before attnperf's kernels are first "
+                "used, runs them on CPU through Triton's interpreter)"
+            )
+        return None
+
+    def run(self, inputs: AttentionInputs) -> Tensor:
+        return TritonAttention.apply(
+            inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask
+        )
+
+
+BACKEND = TritonBackend()
