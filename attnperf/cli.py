@@ -51,17 +51,108 @@ def smoke(device: str) -> int:
     return 1 if failures else 0
 
 
+QUICK_LENGTHS = (256, 512, 1024)
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Sweep, print the table and the growth fits, write the report folder."""
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from attnperf import dispatch
+    from attnperf.bench import PASSES, BenchConfig, run_sweep
+    from attnperf.report import (
+        build_report,
+        compare_to_baseline,
+        fit_rows,
+        table_rows,
+        write_report,
+    )
+
+    config = BenchConfig(
+        lengths=tuple(args.lengths or (QUICK_LENGTHS if args.quick else BenchConfig.lengths)),
+        batch=args.batch,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        causal={"no": (False,), "yes": (True,), "both": (False, True)}[args.causal],
+        passes=PASSES if args.pass_ == "both" else (args.pass_,),
+        backends=tuple(args.backends or dispatch.registry()),
+        device=args.device,
+        rounds=args.rounds or (3 if args.quick else 5),
+        threads=args.threads or torch.get_num_threads(),
+    )
+    console = Console(width=None if sys.stdout.isatty() else 160)  # CI logs: no wrapping
+    points_per_backend = len(config.lengths) * len(config.causal) * len(config.passes)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(
+            "benchmarking", total=2 * len(config.backends) * points_per_backend
+        )
+        points = run_sweep(config, lambda done: progress.update(task, advance=1, description=done))
+    report = build_report(config, points)
+
+    def show(rows, title):
+        table = Table(title=title)
+        for column in rows[0]:
+            table.add_column(column, overflow="fold")
+        for row in rows[1:]:
+            table.add_row(*row)
+        console.print(table)
+
+    shape = f"B={config.batch}, H={config.heads}, E={config.head_dim}"
+    title = f"attnperf bench: {config.dtype}, {shape}, {config.threads} threads, {config.device}"
+    show(table_rows(report), title)
+    show(fit_rows(report), "growth in L")
+    written = write_report(report, Path(args.out))
+    console.print("report: " + ", ".join(str(path) for path in written), highlight=False)
+    if args.baseline:
+        baseline_path = Path(args.baseline)
+        if not baseline_path.exists():
+            console.print(f"baseline {baseline_path} not found: nothing compared")
+        else:
+            warnings = compare_to_baseline(report, json.loads(baseline_path.read_text()))
+            for warning in warnings:
+                console.print(f"WARNING {warning}", style="yellow", highlight=False)
+            if not warnings:
+                console.print(f"no regression against {baseline_path} beyond measured noise")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnperf", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="print every backend's capabilities and availability")
     smoke_parser = commands.add_parser("smoke", help="one small call on every available backend")
     smoke_parser.add_argument("--device", default="cpu")
+    b = commands.add_parser(
+        "bench", help="time and memory vs sequence length, every backend against sdpa"
+    )
+    b.add_argument("--quick", action="store_true", help="L in 256..1024, 3 rounds (for CI)")
+    b.add_argument("--lengths", type=int, nargs="+", help="L = S values (default 256..2048)")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--heads", type=int, default=8)
+    b.add_argument("--head-dim", type=int, default=64)
+    b.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    b.add_argument("--causal", default="no", choices=["no", "yes", "both"])
+    b.add_argument("--pass", dest="pass_", default="both",
+                   choices=["forward", "forward+backward", "both"])  # fmt: skip
+    b.add_argument("--backends", nargs="+", help="default: every registered backend")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--rounds", type=int, help="timed rounds per point (default 5, quick 3)")
+    b.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    b.add_argument("--out", default="bench-report", help="report folder")
+    b.add_argument("--baseline", help="a report.json to compare with (warns, never fails)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(f"attnperf {attnperf.__version__}, torch {torch.__version__}")
         print(info_table())
         return 0
+    if args.command == "bench":
+        return bench(args)
     return smoke(args.device)
 
 

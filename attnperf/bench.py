@@ -1,0 +1,263 @@
+"""Measurement: time, throughput and peak extra memory of each backend, each in its own process.
+
+Every backend runs in fresh worker processes (spawned), so that one backend's thread pools,
+JIT caches or allocator state cannot slow another. Timing and memory use separate workers:
+timing runs with the default allocator, memory with one that maps every large block apart
+(see WORKER_ENV), which would slow the timings. A timing is one first call (JIT / compile
+time, reported apart), one more warm-up call, then `rounds` timed calls (median, min, max).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+
+import torch
+
+# glibc's adaptive mmap threshold would serve a repeated large allocation from the already
+# resident heap, hiding it from the RSS high-water mark: a fixed threshold keeps every
+# block >= 64 KiB in its own mapping, which is returned to the system when freed.
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+PASSES = ("forward", "forward+backward")
+BACKWARD_FLOP_FACTOR = 2.5  # backward = 2.5x forward (FlashAttention's accounting)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One sweep: lengths (L = S) crossed with passes and causal, for each backend."""
+
+    lengths: tuple[int, ...] = (256, 512, 1024, 2048)
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: tuple[bool, ...] = (False,)
+    passes: tuple[str, ...] = PASSES
+    backends: tuple[str, ...] = ()  # empty: every backend known to the registry
+    device: str = "cpu"
+    rounds: int = 5
+    threads: int = field(default_factory=torch.get_num_threads)
+
+
+@dataclass
+class Measurement:
+    """One (backend, length, causal, pass) point; `status` is "ok" or why it is absent."""
+
+    backend: str
+    length: int
+    causal: bool
+    pass_: str
+    status: str = "ok"
+    median_s: float | None = None
+    min_s: float | None = None
+    max_s: float | None = None
+    first_call_s: float | None = None
+    peak_extra_bytes: int | None = None
+    flops: float = 0.0
+    times_s: list[float] = field(default_factory=list)
+
+    @property
+    def gflops(self) -> float | None:
+        return self.flops / self.median_s / 1e9 if self.median_s else None
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["pass"] = data.pop("pass_")
+        data["gflops"] = self.gflops
+        return data
+
+
+def attention_flops(config: BenchConfig, length: int, causal: bool, pass_: str) -> float:
+    """4 B H L S E for the forward pass, half of it when causal, x3.5 with the backward."""
+    forward = 4.0 * config.batch * config.heads * length * length * config.head_dim
+    forward /= 2 if causal else 1
+    return forward * (1 + BACKWARD_FLOP_FACTOR) if pass_ == "forward+backward" else forward
+
+
+# ---------------------------------------------------------------------------- memory
+def _proc_status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field_name} missing from /proc/self/status")
+
+
+def cpu_peak_extra_bytes(fn: Callable[[], object]) -> int | None:
+    """Peak resident memory added while `fn` runs, from the kernel's high-water mark.
+
+    Resetting VmHWM (write "5" to /proc/self/clear_refs) makes it see every allocation that
+    touches memory, torch's, numpy's and numba's alike. None where /proc is not Linux's.
+    """
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        before = _proc_status_kib("VmRSS")
+    except OSError:
+        return None
+    result = fn()
+    peak = _proc_status_kib("VmHWM")
+    del result
+    return max(peak - before, 0) * 1024
+
+
+def cuda_peak_extra_bytes(fn: Callable[[], object]) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return peak - before
+
+
+# ---------------------------------------------------------------------------- one point
+def _timer(device: str) -> Callable[[Callable[[], object]], float]:
+    if device.startswith("cuda"):
+
+        def cuda_time(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        return cuda_time
+
+    def cpu_time(fn):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return cpu_time
+
+
+def measure_point(
+    config: BenchConfig, backend: str, length: int, causal: bool, pass_: str, memory: bool
+) -> Measurement:
+    """Time one point, or with `memory` measure its peak extra memory, in this process."""
+    import attnperf
+    from attnperf import dispatch
+    from attnperf.inputs import prepare
+
+    point = Measurement(backend, length, causal, pass_)
+    point.flops = attention_flops(config, length, causal, pass_)
+    if backend == "triton" and not config.device.startswith("cuda"):
+        point.status = (
+            "not supported: Triton's CPU interpreter is for tests; its times mean nothing"
+        )
+        return point
+    dtype = getattr(torch, config.dtype)
+    gen = torch.Generator().manual_seed(0)
+    shape = (config.batch, config.heads, length, config.head_dim)
+    q, k, v = (torch.randn(shape, generator=gen).to(config.device, dtype) for _ in range(3))
+    backward = pass_ == "forward+backward"
+    for tensor in (q, k, v):
+        tensor.requires_grad_(backward)
+    reasons = dispatch.registry()[backend].not_supported_reasons(prepare(q, k, v, is_causal=causal))
+    if reasons:
+        point.status = "not supported: " + "; ".join(reasons)
+        return point
+    grad_out = torch.randn(shape, generator=gen).to(config.device, dtype)
+
+    def call():
+        out = attnperf.attention(q, k, v, is_causal=causal, backend=backend)
+        if backward:
+            q.grad = k.grad = v.grad = None
+            out.backward(grad_out)
+        return out
+
+    timer = _timer(config.device)
+    point.first_call_s = timer(call)
+    timer(call)  # warm caches and pools
+    if memory:
+        peak = cuda_peak_extra_bytes if config.device.startswith("cuda") else cpu_peak_extra_bytes
+        point.peak_extra_bytes = peak(call)
+        return point
+    point.times_s = [timer(call) for _ in range(config.rounds)]
+    point.median_s = statistics.median(point.times_s)
+    point.min_s, point.max_s = min(point.times_s), max(point.times_s)
+    return point
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _run_in_worker(config: BenchConfig, backend: str, memory: bool) -> list:
+    """Futures of every point of one backend, in one fresh spawned process."""
+    points = [
+        (length, causal, pass_)
+        for causal in config.causal
+        for pass_ in config.passes
+        for length in config.lengths
+    ]
+    saved = {name: os.environ.get(name) for name in WORKER_ENV}
+    if memory:
+        os.environ.update(WORKER_ENV)  # inherited by the spawned worker
+    try:
+        pool = ProcessPoolExecutor(
+            max_workers=1,
+            mp_context=get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(config.threads,),
+        )
+        # The first submit starts the worker, which copies the environment there and then.
+        jobs = [pool.submit(measure_point, config, backend, *point, memory) for point in points]
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    pool.shutdown(wait=False)
+    return jobs
+
+
+def run_sweep(
+    config: BenchConfig, on_progress: Callable[[str], None] | None = None
+) -> list[Measurement]:
+    """Every point of the sweep; `on_progress` hears of each finished job (2 per point)."""
+    from attnperf import dispatch
+
+    def finished(jobs, phase):
+        for job in jobs:
+            point = job.result()
+            if on_progress:
+                on_progress(f"{point.backend} L={point.length} {point.pass_} ({phase})")
+            yield point
+
+    results = []
+    for backend in config.backends or tuple(dispatch.registry()):
+        timed = list(finished(_run_in_worker(config, backend, memory=False), "time"))
+        watched = finished(_run_in_worker(config, backend, memory=True), "memory")
+        for point, memory_point in zip(timed, watched, strict=True):
+            point.peak_extra_bytes = memory_point.peak_extra_bytes
+            results.append(point)
+    return results
+
+
+def fit_exponent(lengths: list[int], values: list[float]) -> tuple[float, float] | None:
+    """Least-squares slope of log(value) against log(L), and the fit's R^2."""
+    points = [(math.log(x), math.log(y)) for x, y in zip(lengths, values, strict=True) if y > 0]
+    if len(points) < 2:
+        return None
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    slope = sxy / sxx
+    residual = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in points)
+    total = sum((y - mean_y) ** 2 for _, y in points)
+    return slope, 1.0 - residual / total if total else 1.0

@@ -1,0 +1,279 @@
+"""Benchmark reports: table, JSON (pytest-benchmark's layout), Markdown, PNG plots, fits."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from attnperf.bench import BenchConfig, Measurement, fit_exponent
+
+PEER = "sdpa"
+MIB = 2**20
+
+
+def machine_info(config: BenchConfig) -> dict:
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for module in ("numba", "triton", "numpy"):
+        try:
+            versions[module] = __import__(module).__version__
+        except ImportError:
+            versions[module] = None
+    device = config.device
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device = torch.cuda.get_device_name(device)
+    return {
+        "node": platform.node(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": config.threads,
+        "device": device,
+        "versions": versions,
+    }
+
+
+def speed_vs_peer(points: list[Measurement]) -> dict[tuple, float]:
+    """sdpa's median time / the backend's, per point (> 1: faster than sdpa)."""
+    peer = {(p.length, p.causal, p.pass_): p.median_s for p in points if p.backend == PEER}
+    ratios = {}
+    for p in points:
+        peer_time = peer.get((p.length, p.causal, p.pass_))
+        if p.median_s and peer_time:
+            ratios[(p.backend, p.length, p.causal, p.pass_)] = peer_time / p.median_s
+    return ratios
+
+
+def growth_fits(points: list[Measurement]) -> list[dict]:
+    """Per backend, pass and causal: the exponent of time and of peak memory in L."""
+    series: dict[tuple, list[Measurement]] = {}
+    for p in points:
+        if p.status == "ok":
+            series.setdefault((p.backend, p.pass_, p.causal), []).append(p)
+    fits = []
+    for (backend, pass_, causal), measured in series.items():
+        lengths = [p.length for p in measured]
+        row = {"backend": backend, "pass": pass_, "causal": causal}
+        for name, values in (
+            ("time", [p.median_s for p in measured]),
+            ("memory", [p.peak_extra_bytes or 0 for p in measured]),
+        ):
+            fit = fit_exponent(lengths, values)
+            row[f"{name}_exponent"], row[f"{name}_r2"] = fit if fit else (None, None)
+        fits.append(row)
+    return fits
+
+
+def build_report(config: BenchConfig, points: list[Measurement]) -> dict:
+    """The machine-readable report; `benchmarks` follows pytest-benchmark's layout."""
+    ratios = speed_vs_peer(points)
+    benchmarks = []
+    for p in points:
+        causal = "causal" if p.causal else "full"
+        extra = p.to_dict()
+        extra["speed_vs_sdpa"] = ratios.get((p.backend, p.length, p.causal, p.pass_))
+        benchmarks.append(
+            {
+                "name": f"{p.backend}[L={p.length},{p.pass_},{causal}]",
+                "group": f"{p.pass_} {causal} L={p.length}",
+                "stats": {
+                    "min": p.min_s,
+                    "max": p.max_s,
+                    "median": p.median_s,
+                    "rounds": len(p.times_s),
+                    "data": p.times_s,
+                },
+                "extra_info": extra,
+            }
+        )
+    return {
+        "attnperf_version": __import__("attnperf").__version__,
+        "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "machine_info": machine_info(config),
+        "config": asdict(config),
+        "benchmarks": benchmarks,
+        "fits": growth_fits(points),
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    """Header and rows: each length's backends side by side."""
+    rows = [
+        [
+            "pass",
+            "mask",
+            "L",
+            "backend",
+            "median ms",
+            "spread",
+            "GFLOP/s",
+            "peak extra MiB",
+            "vs sdpa",
+            "first call s",
+            "note",
+        ]
+    ]
+    entries = sorted(
+        (b["extra_info"] for b in report["benchmarks"]),
+        key=lambda e: (e["pass"], e["causal"], e["length"]),
+    )
+    for e in entries:
+        ok = e["status"] == "ok"
+        rows.append(
+            [
+                e["pass"],
+                "causal" if e["causal"] else "full",
+                str(e["length"]),
+                e["backend"],
+                _fmt(e["median_s"] and e["median_s"] * 1e3, ".2f"),
+                _fmt((e["max_s"] - e["min_s"]) / e["median_s"] * 100 if ok else None, ".0f")
+                + "%" * ok,
+                _fmt(e["gflops"], ".1f"),
+                _fmt(e["peak_extra_bytes"] and e["peak_extra_bytes"] / MIB, ".1f") if ok else "-",
+                _fmt(e["speed_vs_sdpa"], ".2f") + ("x" if e["speed_vs_sdpa"] else ""),
+                _fmt(e["first_call_s"], ".2f"),
+                "" if ok else e["status"],
+            ]
+        )
+    return rows
+
+
+def fit_rows(report: dict) -> list[list[str]]:
+    rows = [["backend", "pass", "mask", "time ~ L^k", "R^2", "memory ~ L^k", "R^2"]]
+    for f in report["fits"]:
+        rows.append(
+            [
+                f["backend"],
+                f["pass"],
+                "causal" if f["causal"] else "full",
+                _fmt(f["time_exponent"], ".2f"),
+                _fmt(f["time_r2"], ".3f"),
+                _fmt(f["memory_exponent"], ".2f"),
+                _fmt(f["memory_r2"], ".3f"),
+            ]
+        )
+    return rows
+
+
+def markdown(report: dict) -> str:
+    def md_table(rows):
+        lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+        lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+        return "\n".join(lines)
+
+    info = report["machine_info"]
+    config = report["config"]
+    return "\n\n".join(
+        [
+            "# attnperf benchmark",
+            f"{report['datetime']} on {info['processor']} ({info['cpu_count']} CPUs, "
+            f"{info['threads']} threads), device {info['device']}; versions "
+            + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v),
+            f"B={config['batch']}, H={config['heads']}, E={config['head_dim']}, "
+            f"{config['dtype']}, L=S; median of {config['rounds']} rounds after warm-up. "
+            "GFLOP/s counts 4·B·H·L·S·E forward (half when causal), x3.5 with backward. "
+            "'vs sdpa' is sdpa's median time over the backend's (> 1: faster); spread is "
+            "(max - min) / median; 'first call' includes JIT compilation or cache loading.",
+            md_table(table_rows(report)),
+            "## Growth in L (least-squares fit of log value on log L)",
+            md_table(fit_rows(report)),
+            "![time](time_vs_length.png)\n\n![memory](memory_vs_length.png)",
+        ]
+    )
+
+
+def plot(report: dict, out_dir: Path) -> list[Path]:
+    """Log-log time and peak-memory plots against L, one line per backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [b["extra_info"] for b in report["benchmarks"] if b["extra_info"]["status"] == "ok"]
+    panels = sorted({(e["pass"], e["causal"]) for e in entries})
+    fits = {(f["backend"], f["pass"], f["causal"]): f for f in report["fits"]}
+    paths = []
+    for metric, label, scale in (
+        ("median_s", "time per call (ms)", 1e3),
+        ("peak_extra_bytes", "peak extra memory (MiB)", 1 / MIB),
+    ):
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+        for ax, (pass_, causal) in zip(axes[0], panels, strict=True):
+            for backend in sorted({e["backend"] for e in entries}):
+                series = sorted(
+                    (e["length"], e[metric] * scale)
+                    for e in entries
+                    if e["backend"] == backend
+                    and e["pass"] == pass_
+                    and e["causal"] == causal
+                    and e[metric]
+                )
+                if not series:
+                    continue
+                fit = fits.get((backend, pass_, causal), {})
+                exponent = fit.get("time_exponent" if metric == "median_s" else "memory_exponent")
+                name = f"{backend} (~L^{exponent:.2f})" if exponent is not None else backend
+                ax.plot(*zip(*series, strict=True), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length L = S")
+            ax.set_ylabel(label)
+            ax.set_title(f"{pass_}, {'causal' if causal else 'full'}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"attnperf on {report['machine_info']['device']}")
+        fig.tight_layout()
+        path = out_dir / ("time_vs_length.png" if metric == "median_s" else "memory_vs_length.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(report: dict, out_dir: Path) -> list[Path]:
+    """report.json, report.md and the two PNG plots under `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "report.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    md_path = out_dir / "report.md"
+    md_path.write_text(markdown(report) + "\n")
+    return [json_path, md_path, *plot(report, out_dir)]
+
+
+def compare_to_baseline(report: dict, baseline: dict, min_slowdown: float = 0.10) -> list[str]:
+    """Warnings for points slower than the baseline beyond the measured noise.
+
+    Noise is each run's spread, (max - min) / median; a point warns when its median is more
+    than max(min_slowdown, both spreads added) above the baseline's. Never an error.
+    """
+
+    def by_key(rep):
+        return {
+            (e["backend"], e["length"], e["causal"], e["pass"]): e
+            for e in (b["extra_info"] for b in rep["benchmarks"])
+            if e["status"] == "ok"
+        }
+
+    old, new = by_key(baseline), by_key(report)
+    warnings = []
+    for key in sorted(old.keys() & new.keys(), key=str):
+        before, after = old[key], new[key]
+        spread = sum((e["max_s"] - e["min_s"]) / e["median_s"] for e in (before, after))
+        slowdown = after["median_s"] / before["median_s"] - 1
+        if slowdown > max(min_slowdown, spread):
+            backend, length, causal, pass_ = key
+            warnings.append(
+                f"regression: {backend} L={length} {pass_} {'causal' if causal else 'full'}: "
+                f"{before['median_s'] * 1e3:.2f} ms -> {after['median_s'] * 1e3:.2f} ms "
+                f"(+{slowdown:.0%}, noise {spread:.0%})"
+            )
+    return warnings

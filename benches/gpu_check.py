@@ -1,0 +1,200 @@
+"""GPU check of the triton backend: agreement on a reduced grid, then speed against SDPA.
+
+On a machine with an NVIDIA GPU (finishes in under 5 minutes on an H100/H200):
+
+    python benches/gpu_check.py --csv gpu_check.csv
+
+For every dtype (bf16, fp16), head dim (64, 128), L = S in 1k..16k, causal or not, and pass
+(forward, forward+backward) with B x H = 32, it times `triton` and each SDPA kernel that
+accepts the call (flash, efficient, cudnn) with triton.testing.do_bench, and prints TFLOP/s
+and triton's speed relative to each kernel (> 1: triton is faster). Without a GPU,
+`TRITON_INTERPRET=1 python benches/gpu_check.py --tiny` runs the same script end to end on
+CPU at tiny sizes (its timings mean nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attnperf
+from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def sdpa_kernels() -> dict:
+    """SDPA restricted to one kernel each, by name."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def only(kind):
+        def run(q, k, v, is_causal):
+            with sdpa_kernel(kind):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+        return run
+
+    return {
+        "sdpa_flash": only(SDPBackend.FLASH_ATTENTION),
+        "sdpa_efficient": only(SDPBackend.EFFICIENT_ATTENTION),
+        "sdpa_cudnn": only(SDPBackend.CUDNN_ATTENTION),
+    }
+
+
+def check_agreement(device: str, tiny: bool) -> int:
+    """Forward and gradients of triton under the testing rule on a reduced grid."""
+    failures = 0
+    length = 48 if tiny else 1000  # ragged on purpose
+    cases = [
+        {"is_causal": False},
+        {"is_causal": True},
+        {"mask": True},
+        {"gqa": True, "is_causal": True},
+    ]
+    for dtype_name, dtype in DTYPES.items():
+        for head_dim in (64, 128):
+            for case in cases:
+                gen = torch.Generator().manual_seed(0)
+                heads_kv = 2 if case.get("gqa") else 4
+                q = torch.randn(2, 4, length, head_dim, generator=gen)
+                k = torch.randn(2, heads_kv, length + 7, head_dim, generator=gen)
+                v = torch.randn(2, heads_kv, length + 7, head_dim, generator=gen)
+                args = {
+                    "query": q.to(device, dtype).requires_grad_(),
+                    "key": k.to(device, dtype).requires_grad_(),
+                    "value": v.to(device, dtype).requires_grad_(),
+                    "is_causal": case.get("is_causal", False),
+                    "enable_gqa": bool(case.get("gqa")),
+                }
+                if case.get("mask"):
+                    args["attn_mask"] = torch.randn(length, length + 7, generator=gen).to(
+                        device, dtype
+                    )
+                label = f"{dtype_name} E={head_dim} {case}"
+                try:
+                    compare_all(args)
+                    print(f"agree  {label}")
+                except AssertionError as error:
+                    failures += 1
+                    print(f"FAIL   {label}: {str(error).splitlines()[0]}")
+    return failures
+
+
+def compare_all(args: dict) -> None:
+    grad_out = torch.randn_like(args["query"]).detach()
+    results = []
+    for fn, cast in (
+        (lambda **a: attnperf.attention(**a, backend="triton"), None),
+        (float64_reference, torch.float64),
+        (same_precision_reference, None),
+    ):
+        leaves = {
+            n: args[n].detach().to(cast or args[n].dtype).requires_grad_()
+            for n in ("query", "key", "value")
+        }
+        out = fn(**{**args, **leaves})
+        out.backward(grad_out.to(out.dtype))
+        results.append((out, *(leaves[n].grad for n in ("query", "key", "value"))))
+    for what, actual, exact, baseline in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert_agrees(actual, exact, baseline, what=what)
+
+
+def time_ms(fn, device: str) -> float:
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100)
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def benchmark(device: str, tiny: bool, rows: list[dict]) -> None:
+    lengths = (64, 128) if tiny else (1024, 2048, 4096, 8192, 16384)
+    contenders = {"triton": lambda q, k, v, is_causal: attnperf.attention(
+        q, k, v, is_causal=is_causal, backend="triton")}  # fmt: skip
+    if device == "cuda":
+        contenders.update(sdpa_kernels())
+    for dtype_name, dtype in DTYPES.items():
+        for head_dim in (64, 128):
+            batch, heads = 2, 16  # B x H = 32
+            for length in lengths:
+                for causal in (False, True):
+                    shape = (batch, heads, length, head_dim)
+                    q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+                    grad_out = torch.randn_like(q)
+                    flops = 4 * batch * heads * length * length * head_dim / (2 if causal else 1)
+                    for pass_ in ("forward", "forward+backward"):
+                        timings = {}
+                        for name, fn in contenders.items():
+                            timings[name] = measure(fn, q, k, v, causal, pass_, grad_out, device)
+                        total_flops = flops * (3.5 if pass_ == "forward+backward" else 1)
+                        report(rows, dtype_name, head_dim, length, causal, pass_, timings,
+                               total_flops)  # fmt: skip
+
+
+def measure(fn, q, k, v, causal, pass_, grad_out, device) -> float | None:
+    backward = pass_ == "forward+backward"
+    q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
+
+    def call():
+        out = fn(q, k, v, causal)
+        if backward:
+            out.backward(grad_out)
+
+    try:
+        return time_ms(call, device)
+    except RuntimeError as error:  # an SDPA kernel that refuses this call
+        print(f"  skipped: {str(error).splitlines()[0][:100]}", file=sys.stderr)
+        return None
+
+
+def report(rows, dtype_name, head_dim, length, causal, pass_, timings, flops) -> None:
+    triton_ms = timings["triton"]
+    cells = []
+    for name, ms in timings.items():
+        tflops = flops / (ms * 1e-3) / 1e12 if ms else None
+        ratio = ms / triton_ms if ms and triton_ms else None
+        rows.append({
+            "dtype": dtype_name, "head_dim": head_dim, "L": length, "causal": causal,
+            "pass": pass_, "kernel": name, "ms": ms, "tflops": tflops,
+            "triton_speedup": ratio,
+        })  # fmt: skip
+        cells.append(
+            f"{name} {'n/a' if ms is None else f'{tflops:7.1f} TF/s'}"
+            + (f" (triton x{ratio:.2f})" if ratio and name != "triton" else "")
+        )
+    mask = "causal" if causal else "full"
+    print(f"{dtype_name} E={head_dim} L={length:5d} {mask:6s} {pass_:16s} " + " | ".join(cells))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU interpreter)")
+    parser.add_argument("--csv", default="gpu_check.csv", help="where to write the figures")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("no GPU: run with TRITON_INTERPRET=1 and --tiny to check the script on CPU")
+        return 2
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu (interpreter)'}")
+    failures = check_agreement(device, args.tiny)
+    rows: list[dict] = []
+    benchmark(device, args.tiny, rows)
+    with open(args.csv, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {args.csv}; agreement failures: {failures}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The benchmark machinery: memory measurement, fits, reports, baseline comparison."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from attnperf.bench import BenchConfig, Measurement, attention_flops, fit_exponent, run_sweep
+from attnperf.report import build_report, compare_to_baseline, table_rows, write_report
+
+KNOWN_ALLOCATION = """
+import numpy as np, torch
+from attnperf.bench import cpu_peak_extra_bytes
+mib = 2**20
+print(cpu_peak_extra_bytes(lambda: torch.ones(64 * mib // 4)))
+print(cpu_peak_extra_bytes(lambda: np.ones(32 * mib // 8)))
+print(cpu_peak_extra_bytes(lambda: [np.ones(8 * mib // 8) for _ in range(3)]))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="peak RSS reset needs Linux /proc")
+def test_peak_memory_sees_torch_and_numpy_allocations():
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    result = subprocess.run(
+        [sys.executable, "-c", KNOWN_ALLOCATION],
+        capture_output=True, text=True, check=True, env={**__import__("os").environ, **env},
+    )  # fmt: skip
+    torch_bytes, numpy_bytes, list_bytes = (int(line) for line in result.stdout.split())
+    mib = 2**20
+    assert 64 * mib <= torch_bytes < 66 * mib
+    assert 32 * mib <= numpy_bytes < 34 * mib
+    assert 24 * mib <= list_bytes < 26 * mib
+
+
+def test_fit_exponent_recovers_a_power_law():
+    lengths = [256, 512, 1024, 2048]
+    slope, r2 = fit_exponent(lengths, [3e-9 * n**2 for n in lengths])
+    assert slope == pytest.approx(2.0)
+    assert r2 == pytest.approx(1.0)
+    assert fit_exponent([256], [1.0]) is None
+
+
+def test_flops_follow_the_documented_count():
+    config = BenchConfig(batch=2, heads=3, head_dim=64)
+    assert attention_flops(config, 128, False, "forward") == 4 * 2 * 3 * 128 * 128 * 64
+    assert attention_flops(config, 128, True, "forward") == 2 * 2 * 3 * 128 * 128 * 64
+    assert attention_flops(config, 128, False, "forward+backward") == 3.5 * 4 * 6 * 128**2 * 64
+
+
+def point(backend, length, median, spread=0.02):
+    p = Measurement(backend, length, False, "forward", median_s=median, flops=1e9)
+    p.min_s, p.max_s = median * (1 - spread / 2), median * (1 + spread / 2)
+    p.times_s = [p.min_s, median, p.max_s]
+    p.peak_extra_bytes = length * 1000
+    return p
+
+
+def test_report_ratios_and_regression_warnings():
+    config = BenchConfig(lengths=(256, 512))
+    base = build_report(config, [point("sdpa", 256, 1.0), point("numba", 256, 2.0)])
+    entries = {b["extra_info"]["backend"]: b["extra_info"] for b in base["benchmarks"]}
+    assert entries["numba"]["speed_vs_sdpa"] == pytest.approx(0.5)
+    assert entries["sdpa"]["speed_vs_sdpa"] == pytest.approx(1.0)
+    slower = build_report(config, [point("sdpa", 256, 1.02), point("numba", 256, 3.0)])
+    warnings = compare_to_baseline(slower, base)
+    assert len(warnings) == 1 and "numba L=256" in warnings[0] and "+50%" in warnings[0]
+    noisy = build_report(config, [point("numba", 256, 3.0, spread=1.5)])
+    assert compare_to_baseline(noisy, base) == []
+
+
+def test_unsupported_points_are_reported_with_their_reason():
+    config = BenchConfig(lengths=(16,), passes=("forward",), backends=("triton",), rounds=1)
+    (result,) = run_sweep(config)
+    assert result.status.startswith("not supported: ")
+    rows = table_rows(build_report(config, [result]))
+    assert rows[1][-1] == result.status
+
+
+def test_a_tiny_sweep_writes_every_report_file(tmp_path):
+    config = BenchConfig(
+        lengths=(32, 64), heads=2, head_dim=16, backends=("sdpa", "reference"), rounds=2
+    )
+    points = run_sweep(config)
+    assert all(p.status == "ok" and p.median_s > 0 for p in points)
+    assert all(p.peak_extra_bytes is not None for p in points)
+    report = build_report(config, points)
+    written = write_report(report, tmp_path)
+    assert sorted(p.name for p in written) == [
+        "memory_vs_length.png", "report.json", "report.md", "time_vs_length.png",
+    ]  # fmt: skip
+    loaded = json.loads((tmp_path / "report.json").read_text())
+    assert {f["backend"] for f in loaded["fits"]} == {"sdpa", "reference"}
+    assert "| forward | full | 32 | sdpa |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "time_vs_length.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_check_script_runs_end_to_end_under_the_interpreter(tmp_path):
+    """benches/gpu_check.py at tiny sizes on CPU (TRITON_INTERPRET=1): agreement and CSV."""
+    import os
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benches" / "gpu_check.py"
+    csv_path = tmp_path / "gpu.csv"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--csv", str(csv_path)],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "agreement failures: 0" in result.stdout
+    assert "FAIL" not in result.stdout
+    header, *rows = csv_path.read_text().splitlines()
+    assert header.startswith("dtype,head_dim,L,causal,pass,kernel,ms,tflops")
+    assert len(rows) == 2 * 2 * 2 * 2 * 2  # dtypes x head dims x lengths x causal x passes
