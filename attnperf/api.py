@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from attnperf import dispatch
+from attnperf import dispatch, ops
 from attnperf.inputs import prepare
 
 
@@ -26,8 +27,13 @@ def attention(
     (N, ..., Hq, L, Ev). Same semantics as SDPA: a bool mask's True takes part, a float
     mask is added to the scores, is_causal is top-left aligned, scale defaults to
     1/sqrt(E), enable_gqa lets H divide Hq. Fully masked rows and empty key sequences
-    give zeros. `backend` is "auto" or a name from `backends()`.
+    give zeros. `backend` is "auto" or a name from `backends()`. Under torch.compile it is
+    one custom op (`torch.ops.attnperf.attention`), traced without graph breaks.
     """
+    if torch.compiler.is_compiling():
+        return ops.attention_op(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend
+        )
     inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return inputs.restore(dispatch.select(inputs, backend).run(inputs))
 

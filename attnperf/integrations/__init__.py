@@ -1,0 +1,1 @@
+"""Bridges from model libraries to attnperf; each imports its library only when used."""

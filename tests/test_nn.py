@@ -1,0 +1,109 @@
+"""attnperf.nn.SelfAttention: the textbook module, any backend, same parameters."""
+
+import math
+
+import pytest
+import torch
+
+from attnperf import dispatch
+from attnperf.nn import SelfAttention
+
+BACKENDS = [
+    name
+    for name, backend in dispatch.registry().items()
+    if backend.unavailable_reason() is None and "cpu" in backend.capabilities.devices
+]
+
+
+def textbook(module, x, padding=None):
+    """The module's computation written out with plain tensor ops."""
+    batch, seq, _ = x.shape
+    h, hk, d = module.num_heads, module.num_kv_heads, module.head_dim
+    q = module.q_proj(x).view(batch, seq, h, d).transpose(1, 2)
+    k = module.k_proj(x).view(batch, seq, hk, d).transpose(1, 2).repeat_interleave(h // hk, 1)
+    v = module.v_proj(x).view(batch, seq, hk, d).transpose(1, 2).repeat_interleave(h // hk, 1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+    allowed = torch.ones(seq, seq, dtype=torch.bool)
+    if module.causal:
+        allowed = allowed.tril()
+    allowed = allowed.expand(batch, 1, seq, seq)
+    if padding is not None:
+        allowed = allowed & padding[:, None, None, :].bool()
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num()
+    out = (weights @ v).transpose(1, 2).reshape(batch, seq, -1)
+    return module.out_proj(out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_module_matches_the_textbook_steps(backend, kv_heads, causal):
+    torch.manual_seed(0)
+    module = SelfAttention(32, 4, num_kv_heads=kv_heads, causal=causal, backend=backend)
+    x = torch.randn(2, 10, 32)
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[1, 7:] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), textbook(module, x), rtol=1e-4, atol=1e-5)
+        out = module(x, attn_mask=padding)
+        torch.testing.assert_close(out, textbook(module, x, padding), rtol=1e-4, atol=1e-5)
+
+
+def test_padding_keys_do_not_change_real_tokens():
+    torch.manual_seed(0)
+    module = SelfAttention(16, 2, causal=True)
+    x = torch.randn(1, 6, 16)
+    padded = torch.cat([x, torch.randn(1, 3, 16) * 100], dim=1)
+    mask = torch.tensor([[1] * 6 + [0] * 3])
+    with torch.no_grad():
+        torch.testing.assert_close(module(padded, attn_mask=mask)[:, :6], module(x))
+
+
+def test_state_dict_is_the_same_whatever_the_backend():
+    keys = {tuple(SelfAttention(16, 4, num_kv_heads=2, backend=b).state_dict()) for b in BACKENDS}
+    assert len(keys) == 1
+    a = SelfAttention(16, 4, backend="reference")
+    b = SelfAttention(16, 4, backend=BACKENDS[-1])
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(a(x), b(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "backend", [b for b in BACKENDS if dispatch.registry()[b].capabilities.backward]
+)
+def test_the_module_trains(backend):
+    torch.manual_seed(0)
+    module = SelfAttention(16, 4, num_kv_heads=2, causal=True, backend=backend)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    x, target = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(module(x), target)
+        loss.backward()
+        for name, parameter in module.named_parameters():
+            assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"embed_dim": 30, "num_heads": 4}, "must divide embed_dim"),
+        ({"embed_dim": 32, "num_heads": 4, "num_kv_heads": 3}, "must divide num_heads"),
+        ({"embed_dim": 32, "num_heads": 4, "dropout": 1.0}, "dropout must be in"),
+    ],
+)
+def test_bad_configuration_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SelfAttention(**kwargs)
+
+
+def test_bad_mask_shape_is_refused():
+    module = SelfAttention(16, 2)
+    with pytest.raises(ValueError, match=r"padding mask of shape \(batch, seq\)"):
+        module(torch.randn(2, 5, 16), attn_mask=torch.ones(5, 5, dtype=torch.bool))
