@@ -82,6 +82,28 @@ def exp2_rows(x, row_max, rows, cols, bits):
     return x
 
 
+@_njit(fastmath=FASTMATH)
+def tile_row_max(s, rows, cols, current, out):
+    """out[r] = max(current[r], s[r, :cols]), over 16 lanes so that LLVM vectorises it.
+
+    NaN scores are passed over here; exp2_rows turns their whole row NaN, as in SDPA.
+    """
+    lanes = np.empty(16, np.float32)
+    full = cols - cols % 16
+    for r in range(rows):
+        lanes[:] = current[r]
+        for c0 in range(0, full, 16):
+            for lane in range(16):
+                x = s[r, c0 + lane]
+                lanes[lane] = x if x > lanes[lane] else lanes[lane]
+        m = lanes[0]
+        for lane in range(1, 16):
+            m = lanes[lane] if lanes[lane] > m else m
+        for c in range(full, cols):
+            m = s[r, c] if s[r, c] > m else m
+        out[r] = m
+
+
 @_njit()
 def split_index(item, heads, tiles):
     """(batch, head, tile) of a flat prange index (prange indices are unsigned)."""
@@ -123,6 +145,7 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, lse, bl
         q_tile = q[b, h, i0 : i0 + rows]
         acc = np.zeros((rows, value_dim), np.float32)
         row_max = np.full(rows, -np.inf, np.float32)
+        new_max = np.empty(rows, np.float32)
         row_sum = np.zeros(rows, np.float32)
         shift = np.zeros(rows, np.float32)
         alpha = np.zeros(rows, np.float32)
@@ -132,14 +155,12 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, lse, bl
             cols = min(block_n, kv_end - j0)
             s = np.dot(q_tile, k[b, hk, j0 : j0 + cols].T)
             scaled_masked_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal, scale2)
+            tile_row_max(s, rows, cols, row_max, new_max)
             for r in range(rows):
-                new_max = row_max[r]
-                for c in range(cols):
-                    new_max = max(new_max, s[r, c])
                 # A row with nothing allowed so far shifts by 0: its exp() stays 0, not NaN.
-                shift[r] = new_max if new_max != -np.inf else 0.0
+                shift[r] = new_max[r] if new_max[r] != -np.inf else 0.0
                 alpha[r] = 2.0 ** (row_max[r] - shift[r]) if row_max[r] != -np.inf else 0.0
-                row_max[r] = new_max
+                row_max[r] = new_max[r]
             exp2_rows(s, shift, rows, cols, bits)
             for r in range(rows):
                 total = np.float32(0.0)
@@ -187,7 +208,7 @@ def attention_backward_dq(
         rows = min(block_m, q_len - i0)
         q_tile = q[b, h, i0 : i0 + rows]
         do_tile = grad_out[b, h, i0 : i0 + rows]
-        lse2 = lse[b, h, i0 : i0 + rows] * LOG2E
+        lse2 = (lse[b, h, i0 : i0 + rows] * LOG2E).astype(np.float32)
         acc = np.zeros((rows, head_dim), np.float32)
         bits = np.empty((rows, block_n), np.int32)
         kv_end = min(kv_len, i0 + rows) if causal else kv_len
@@ -233,7 +254,7 @@ def attention_backward_dkdv(
                 rows = min(block_m, q_len - i0)
                 q_tile = q[b, h, i0 : i0 + rows]
                 do_tile = grad_out[b, h, i0 : i0 + rows]
-                lse2 = lse[b, h, i0 : i0 + rows] * LOG2E
+                lse2 = (lse[b, h, i0 : i0 + rows] * LOG2E).astype(np.float32)
                 p = probabilities(
                     q_tile, k_tile, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2, bits
                 )
