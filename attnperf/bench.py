@@ -154,9 +154,7 @@ def measure_point(
     point = Measurement(backend, length, causal, pass_)
     point.flops = attention_flops(config, length, causal, pass_)
     if backend == "triton" and not config.device.startswith("cuda"):
-        point.status = (
-            "not supported: Triton's CPU interpreter is for tests; its times mean nothing"
-        )
+        point.status = "not supported: on CPU Triton runs only its test interpreter (no timings)"
         return point
     dtype = getattr(torch, config.dtype)
     gen = torch.Generator().manual_seed(0)

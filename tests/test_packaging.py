@@ -37,3 +37,17 @@ def test_wheel_maps_kernels_under_attnperf(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, check=True,
     )  # fmt: skip
     assert result.stdout.splitlines()[0].startswith(str(site))
+
+
+def test_import_has_no_side_effects(tmp_path):
+    """`import attnperf` loads no optional dependency, compiles nothing, probes no device."""
+    optional = ("numba", "triton", "transformers", "scipy")
+    probe = (
+        "import sys, attnperf, torch; "
+        f"print(sorted(m for m in {optional} if m in sys.modules)); "
+        "print(torch.cuda.is_initialized())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
+    assert result.stdout.split("\n")[:2] == ["[]", "False"]
