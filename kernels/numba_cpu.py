@@ -270,6 +270,54 @@ def attention_backward_dkdv(
         dv[b, hk, j0 : j0 + cols] = dv_acc
 
 
+@_njit(parallel=True, fastmath=FASTMATH)
+def attention_backward_fused(
+    q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dq, dk, dv, dmask,
+    block_m, block_n,
+):  # fmt: skip
+    """dq, dk, dv += (and dS into an L x S dmask) in one pass: P and dP are computed once.
+
+    One prange item per (batch, key/value head) owns every query head of its group, so its
+    dq updates need no atomics; worth it when there are enough items for the threads.
+    """
+    batch, q_heads, q_len = q.shape[:3]
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    scale2 = np.float32(scale * LOG2E)
+    want_dmask = dmask.shape[2] == q_len and dmask.shape[3] == kv_len
+    for item in prange(batch * kv_heads):
+        b, hk, _ = split_index(item, kv_heads, 1)
+        bits = np.empty((block_m, block_n), np.int32)
+        for j0 in range(0, kv_len, block_n):
+            cols = min(block_n, kv_len - j0)
+            k_tile = k[b, hk, j0 : j0 + cols]
+            v_tile = v[b, hk, j0 : j0 + cols]
+            dk_acc = np.zeros((cols, k.shape[3]), np.float32)
+            dv_acc = np.zeros((cols, v.shape[3]), np.float32)
+            q_start = j0 if causal else 0  # rows above j0 see none of these keys
+            for h in range(hk * group, (hk + 1) * group):
+                for i0 in range(q_start - q_start % block_m, q_len, block_m):
+                    rows = min(block_m, q_len - i0)
+                    q_tile = q[b, h, i0 : i0 + rows]
+                    do_tile = grad_out[b, h, i0 : i0 + rows]
+                    lse2 = (lse[b, h, i0 : i0 + rows] * LOG2E).astype(np.float32)
+                    p = probabilities(
+                        q_tile, k_tile, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2, bits
+                    )
+                    dv_acc += np.dot(p.T, do_tile)
+                    ds = np.dot(do_tile, v_tile.T)
+                    for r in range(rows):
+                        d = delta[b, h, i0 + r]
+                        for c in range(cols):
+                            ds[r, c] = p[r, c] * (ds[r, c] - d)
+                    if want_dmask:
+                        dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
+                    dk_acc += np.dot(ds.T, q_tile)
+                    dq[b, h, i0 : i0 + rows] += np.dot(ds, k_tile) * np.float32(scale)
+            dk[b, hk, j0 : j0 + cols] = dk_acc * np.float32(scale)
+            dv[b, hk, j0 : j0 + cols] = dv_acc
+
+
 def _as_numpy(tensor: Tensor) -> np.ndarray:
     return tensor.detach().numpy()
 
@@ -334,9 +382,13 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
 
 
 def numba_attention_backward(
-    inputs: AttentionInputs, out: Tensor, lse: Tensor, grad_out: Tensor
+    inputs: AttentionInputs, out: Tensor, lse: Tensor, grad_out: Tensor, fused: bool | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """(dq, dk, dv, dmask or None) in the inputs' dtypes, by FlashAttention-2 recomputation."""
+    """(dq, dk, dv, dmask or None) in the inputs' dtypes, by FlashAttention-2 recomputation.
+
+    `fused`: one pass over (batch, kv head) items, or a dq pass and a dk/dv pass over tiles;
+    None picks the fused pass when there are at least two items per thread.
+    """
     q, k, v = _fp32(inputs.query), _fp32(inputs.key), _fp32(inputs.value)
     mask, mask_kind = _mask_for_kernel(inputs)
     do = grad_out.to(torch.float32).contiguous()
@@ -345,10 +397,15 @@ def numba_attention_backward(
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     want_dmask = inputs.mask_kind == "float" and inputs.attn_mask.requires_grad
     dmask = np.zeros(mask.shape if want_dmask else (1, 1, 1, 1), np.float32)
+    if fused is None:
+        fused = inputs.batch * inputs.kv_heads >= 2 * torch.get_num_threads()
     if q.size and k.shape[2]:
         common = (q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale, lse, do, delta)
-        _run_parallel(attention_backward_dq, *common, dq, dmask, BLOCK_M, BLOCK_N)
-        _run_parallel(attention_backward_dkdv, *common, dk, dv, BLOCK_M, BLOCK_N)
+        if fused:
+            _run_parallel(attention_backward_fused, *common, dq, dk, dv, dmask, BLOCK_M, BLOCK_N)
+        else:
+            _run_parallel(attention_backward_dq, *common, dq, dmask, BLOCK_M, BLOCK_N)
+            _run_parallel(attention_backward_dkdv, *common, dk, dv, BLOCK_M, BLOCK_N)
     grads = [torch.from_numpy(g).to(inputs.dtype) for g in (dq, dk, dv)]
     dmask_t = torch.from_numpy(dmask).to(inputs.attn_mask.dtype) if want_dmask else None
     return (*grads, dmask_t)
