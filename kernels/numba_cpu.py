@@ -365,6 +365,11 @@ def _fp32(tensor: Tensor) -> np.ndarray:
     return _as_numpy(tensor.detach().to(torch.float32).contiguous())
 
 
+def _block_n(inputs: AttentionInputs) -> int:
+    # Causal: key tiles as tall as query tiles, so diagonal tiles waste no half-tile.
+    return BLOCK_M if inputs.is_causal else BLOCK_N
+
+
 def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, L, Ev) in the inputs' dtype, natural-log lse (B, Hq, L) fp64)."""
     q, k, v = _fp32(inputs.query), _fp32(inputs.key), _fp32(inputs.value)
@@ -374,7 +379,7 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     if q.size and k.shape[2]:
         _run_parallel(
             online_softmax_forward, q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale,
-            out, lse, BLOCK_M, BLOCK_N,
+            out, lse, BLOCK_M, _block_n(inputs),
         )  # fmt: skip
     else:  # no keys: zeros; lse = +inf makes the backward pass zero as well
         out[:], lse[:] = 0.0, np.inf
@@ -401,11 +406,12 @@ def numba_attention_backward(
         fused = inputs.batch * inputs.kv_heads >= 2 * torch.get_num_threads()
     if q.size and k.shape[2]:
         common = (q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale, lse, do, delta)
+        blocks = (BLOCK_M, _block_n(inputs))
         if fused:
-            _run_parallel(attention_backward_fused, *common, dq, dk, dv, dmask, BLOCK_M, BLOCK_N)
+            _run_parallel(attention_backward_fused, *common, dq, dk, dv, dmask, *blocks)
         else:
-            _run_parallel(attention_backward_dq, *common, dq, dmask, BLOCK_M, BLOCK_N)
-            _run_parallel(attention_backward_dkdv, *common, dk, dv, BLOCK_M, BLOCK_N)
+            _run_parallel(attention_backward_dq, *common, dq, dmask, *blocks)
+            _run_parallel(attention_backward_dkdv, *common, dk, dv, *blocks)
     grads = [torch.from_numpy(g).to(inputs.dtype) for g in (dq, dk, dv)]
     dmask_t = torch.from_numpy(dmask).to(inputs.attn_mask.dtype) if want_dmask else None
     return (*grads, dmask_t)
