@@ -11,9 +11,9 @@ from attnperf.kernels import BACKEND_MODULES
 
 # Fastest first, per device, from measurements. CPU: fp32, B=1, H=8, E=64 on a 2-core
 # AVX-512 machine, `attnperf bench --backends sdpa numba --lengths 512 1024 2048 4096
-# --causal both`: numba reaches 0.55-0.76x of sdpa's throughput forward (full), 0.5x
-# causal, 0.52-0.65x forward+backward, at every length; numba serves nothing that sdpa
-# refuses, so sdpa leads for every CPU call.
+# --causal both`: numba reaches 0.41-0.67x of sdpa's throughput forward (full), 0.75-0.93x
+# causal for L >= 1024, 0.53-0.88x forward+backward; numba serves nothing that sdpa refuses,
+# so sdpa leads for every CPU call.
 PRIORITY = {
     "cuda": ("triton", "sdpa", "reference"),
     "cpu": ("sdpa", "numba", "reference"),
