@@ -83,7 +83,7 @@ def bench(args: argparse.Namespace) -> int:
         passes=PASSES if args.pass_ == "both" else (args.pass_,),
         backends=tuple(args.backends or dispatch.registry()),
         device=args.device,
-        rounds=args.rounds or (3 if args.quick else 5),
+        rounds=args.rounds or (7 if args.quick else 5),
         threads=args.threads or torch.get_num_threads(),
     )
     console = Console(width=None if sys.stdout.isatty() else 160)  # CI logs: no wrapping
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     b = commands.add_parser(
         "bench", help="time and memory vs sequence length, every backend against sdpa"
     )
-    b.add_argument("--quick", action="store_true", help="L in 256..1024, 3 rounds (for CI)")
+    b.add_argument("--quick", action="store_true", help="L in 256..1024, 7 rounds (for CI)")
     b.add_argument("--lengths", type=int, nargs="+", help="L = S values (default 256..2048)")
     b.add_argument("--batch", type=int, default=1)
     b.add_argument("--heads", type=int, default=8)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["forward", "forward+backward", "both"])  # fmt: skip
     b.add_argument("--backends", nargs="+", help="default: every registered backend")
     b.add_argument("--device", default="cpu")
-    b.add_argument("--rounds", type=int, help="timed rounds per point (default 5, quick 3)")
+    b.add_argument("--rounds", type=int, help="timed rounds per point (default 5, quick 7)")
     b.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     b.add_argument("--out", default="bench-report", help="report folder")
     b.add_argument("--baseline", help="a report.json to compare with (warns, never fails)")
