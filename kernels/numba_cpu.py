@@ -230,44 +230,66 @@ def attention_backward_dq(
         dq[b, h, i0 : i0 + rows] = acc * np.float32(scale)
 
 
+@_njit(fastmath=FASTMATH)
+def key_tile_gradients(
+    q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dq, dk, dv, dmask,
+    b, hk, j0, cols, block_m, bits, with_dq,
+):  # fmt: skip
+    """dk, dv of keys j0..j0+cols of head hk, summed over the query heads of its group.
+
+    With `with_dq`, also dq += dS K and, when dmask is L x S, dS into dmask: the caller owns
+    every query row of the group then, so no other thread writes them.
+    """
+    q_heads, q_len = q.shape[1], q.shape[2]
+    group = q_heads // k.shape[1]
+    scale2 = np.float32(scale * LOG2E)
+    want_dmask = with_dq and dmask.shape[2] == q_len and dmask.shape[3] == k.shape[2]
+    k_tile = k[b, hk, j0 : j0 + cols]
+    v_tile = v[b, hk, j0 : j0 + cols]
+    dk_acc = np.zeros((cols, k.shape[3]), np.float32)
+    dv_acc = np.zeros((cols, v.shape[3]), np.float32)
+    q_start = j0 if causal else 0  # rows above j0 see none of these keys
+    for h in range(hk * group, (hk + 1) * group):
+        for i0 in range(q_start - q_start % block_m, q_len, block_m):
+            rows = min(block_m, q_len - i0)
+            q_tile = q[b, h, i0 : i0 + rows]
+            do_tile = grad_out[b, h, i0 : i0 + rows]
+            lse2 = (lse[b, h, i0 : i0 + rows] * LOG2E).astype(np.float32)
+            p = probabilities(
+                q_tile, k_tile, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2, bits
+            )
+            dv_acc += np.dot(p.T, do_tile)
+            ds = np.dot(do_tile, v_tile.T)
+            for r in range(rows):
+                d = delta[b, h, i0 + r]
+                for c in range(cols):
+                    ds[r, c] = p[r, c] * (ds[r, c] - d)
+            dk_acc += np.dot(ds.T, q_tile)
+            if with_dq:
+                if want_dmask:
+                    dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
+                dq[b, h, i0 : i0 + rows] += np.dot(ds, k_tile) * np.float32(scale)
+    dk[b, hk, j0 : j0 + cols] = dk_acc * np.float32(scale)
+    dv[b, hk, j0 : j0 + cols] = dv_acc
+
+
 @_njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dkdv(
     q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dk, dv, block_m, block_n
 ):
     """dk, dv per key tile, summed over every query head of the key/value head's group."""
-    batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    group = q_heads // kv_heads
+    batch, kv_heads, kv_len = k.shape[0], k.shape[1], k.shape[2]
     kv_tiles = (kv_len + block_n - 1) // block_n
-    scale2 = np.float32(scale * LOG2E)
+    unused = np.zeros((1, 1, 1, 1), np.float32)
     for item in prange(batch * kv_heads * kv_tiles):
         b, hk, tile = split_index(item, kv_heads, kv_tiles)
         j0 = tile * block_n
         cols = min(block_n, kv_len - j0)
-        k_tile = k[b, hk, j0 : j0 + cols]
-        v_tile = v[b, hk, j0 : j0 + cols]
-        dk_acc = np.zeros((cols, head_dim), np.float32)
-        dv_acc = np.zeros((cols, value_dim), np.float32)
         bits = np.empty((block_m, cols), np.int32)
-        q_start = j0 if causal else 0  # rows above j0 see none of these keys
-        for h in range(hk * group, (hk + 1) * group):
-            for i0 in range(q_start - q_start % block_m, q_len, block_m):
-                rows = min(block_m, q_len - i0)
-                q_tile = q[b, h, i0 : i0 + rows]
-                do_tile = grad_out[b, h, i0 : i0 + rows]
-                lse2 = (lse[b, h, i0 : i0 + rows] * LOG2E).astype(np.float32)
-                p = probabilities(
-                    q_tile, k_tile, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2, bits
-                )
-                dv_acc += np.dot(p.T, do_tile)
-                ds = np.dot(do_tile, v_tile.T)
-                for r in range(rows):
-                    d = delta[b, h, i0 + r]
-                    for c in range(cols):
-                        ds[r, c] = p[r, c] * (ds[r, c] - d)
-                dk_acc += np.dot(ds.T, q_tile)
-        dk[b, hk, j0 : j0 + cols] = dk_acc * np.float32(scale)
-        dv[b, hk, j0 : j0 + cols] = dv_acc
+        key_tile_gradients(
+            q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, unused, dk, dv,
+            unused, b, hk, j0, cols, block_m, bits, False,
+        )  # fmt: skip
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
@@ -280,42 +302,15 @@ def attention_backward_fused(
     One prange item per (batch, key/value head) owns every query head of its group, so its
     dq updates need no atomics; worth it when there are enough items for the threads.
     """
-    batch, q_heads, q_len = q.shape[:3]
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    group = q_heads // kv_heads
-    scale2 = np.float32(scale * LOG2E)
-    want_dmask = dmask.shape[2] == q_len and dmask.shape[3] == kv_len
+    batch, kv_heads, kv_len = k.shape[0], k.shape[1], k.shape[2]
     for item in prange(batch * kv_heads):
         b, hk, _ = split_index(item, kv_heads, 1)
         bits = np.empty((block_m, block_n), np.int32)
         for j0 in range(0, kv_len, block_n):
-            cols = min(block_n, kv_len - j0)
-            k_tile = k[b, hk, j0 : j0 + cols]
-            v_tile = v[b, hk, j0 : j0 + cols]
-            dk_acc = np.zeros((cols, k.shape[3]), np.float32)
-            dv_acc = np.zeros((cols, v.shape[3]), np.float32)
-            q_start = j0 if causal else 0  # rows above j0 see none of these keys
-            for h in range(hk * group, (hk + 1) * group):
-                for i0 in range(q_start - q_start % block_m, q_len, block_m):
-                    rows = min(block_m, q_len - i0)
-                    q_tile = q[b, h, i0 : i0 + rows]
-                    do_tile = grad_out[b, h, i0 : i0 + rows]
-                    lse2 = (lse[b, h, i0 : i0 + rows] * LOG2E).astype(np.float32)
-                    p = probabilities(
-                        q_tile, k_tile, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2, bits
-                    )
-                    dv_acc += np.dot(p.T, do_tile)
-                    ds = np.dot(do_tile, v_tile.T)
-                    for r in range(rows):
-                        d = delta[b, h, i0 + r]
-                        for c in range(cols):
-                            ds[r, c] = p[r, c] * (ds[r, c] - d)
-                    if want_dmask:
-                        dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
-                    dk_acc += np.dot(ds.T, q_tile)
-                    dq[b, h, i0 : i0 + rows] += np.dot(ds, k_tile) * np.float32(scale)
-            dk[b, hk, j0 : j0 + cols] = dk_acc * np.float32(scale)
-            dv[b, hk, j0 : j0 + cols] = dv_acc
+            key_tile_gradients(
+                q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dq, dk, dv,
+                dmask, b, hk, j0, min(block_n, kv_len - j0), block_m, bits, True,
+            )  # fmt: skip
 
 
 def _as_numpy(tensor: Tensor) -> np.ndarray:
