@@ -35,7 +35,7 @@ def attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend
         )
     inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return inputs.restore(dispatch.select(inputs, backend).run(inputs))
+    return dispatch.attend(inputs, backend)
 
 
 def choose_backend(

@@ -100,3 +100,26 @@ class Backend:
             "max_head_dim": caps.max_head_dim,
             "features": caps.features(),
         }
+
+
+class FusedAttention(torch.autograd.Function):
+    """Autograd over a fused kernel's two launchers; saves (out, lse), never L x S.
+
+    apply((forward, backward), inputs, query, key, value, attn_mask), where
+    forward(inputs) -> (out, lse) and backward(inputs, out, lse, grad_out) ->
+    (dq, dk, dv, dmask or None). The tensors are passed so autograd sees them.
+    """
+
+    @staticmethod
+    def forward(ctx, launchers, inputs: AttentionInputs, query, key, value, attn_mask):
+        forward, ctx.launch_backward = launchers
+        out, lse = forward(inputs)
+        ctx.inputs = inputs
+        ctx.save_for_backward(out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out, lse = ctx.saved_tensors
+        dq, dk, dv, dmask = ctx.launch_backward(ctx.inputs, out, lse, grad_out)
+        return None, None, dq, dk, dv, dmask

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import importlib
 
+from torch import Tensor
+
 from attnperf.backend import Backend
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels import BACKEND_MODULES
@@ -59,3 +61,8 @@ def select(inputs: AttentionInputs, backend: str = "auto") -> Backend:
             return known[name]
         refusals.append(f"  {name}: {'; '.join(reasons)}")
     raise BackendNotSupportedError("no backend can serve this call:\n" + "\n".join(refusals))
+
+
+def attend(inputs: AttentionInputs, backend: str = "auto") -> Tensor:
+    """Run `inputs` on the selected backend; the output in the caller's layout."""
+    return inputs.restore(select(inputs, backend).run(inputs))

@@ -19,7 +19,7 @@ from attnperf.inputs import prepare
 def _eager_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      backend):  # fmt: skip
     inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return inputs.restore(dispatch.select(inputs, backend).run(inputs))
+    return dispatch.attend(inputs, backend)
 
 
 @contextlib.contextmanager

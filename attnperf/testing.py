@@ -64,17 +64,20 @@ def float64_reference(
     )  # fmt: skip
 
 
-def max_error(actual: Tensor, expected: Tensor) -> float:
-    """Max |actual - expected|; positions where both are the same NaN/inf count as equal,
-    a NaN or inf on one side only counts as an infinite error."""
+def elementwise_error(actual: Tensor, expected: Tensor) -> Tensor:
+    """|actual - expected| in float64; equal NaN/inf count as 0, a one-sided NaN/inf as inf."""
     actual, expected = actual.detach().double(), expected.detach().double()
     if actual.shape != expected.shape:
         raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
-    if actual.numel() == 0:
-        return 0.0
     same = (actual == expected) | (actual.isnan() & expected.isnan())
     diff = (actual - expected).abs().masked_fill(same, 0.0)
-    return float(diff.nan_to_num(nan=float("inf")).max())
+    return diff.nan_to_num(nan=float("inf"))
+
+
+def max_error(actual: Tensor, expected: Tensor) -> float:
+    """Max elementwise_error; 0 for empty tensors."""
+    diff = elementwise_error(actual, expected)
+    return float(diff.max()) if diff.numel() else 0.0
 
 
 @dataclass(frozen=True)
@@ -116,11 +119,10 @@ def assert_agrees(actual: Tensor, exact: Tensor, baseline: Tensor, *, what: str 
 
 def mismatch_report(actual: Tensor, expected: Tensor, tolerance: float) -> str:
     """How many elements differ by more than `tolerance`, the worst one, NaN/inf disagreement."""
-    actual, expected = actual.detach().double(), expected.detach().double()
-    if actual.numel() == 0:
+    diff = elementwise_error(actual, expected)
+    if diff.numel() == 0:
         return "empty tensors: nothing differs"
-    same = (actual == expected) | (actual.isnan() & expected.isnan())
-    diff = (actual - expected).abs().masked_fill(same, 0.0).nan_to_num(nan=float("inf"))
+    actual, expected = actual.detach().double(), expected.detach().double()
     bad = diff > tolerance
     nonfinite_mismatch = int((actual.isfinite() != expected.isfinite()).sum())
     worst = int(diff.argmax())

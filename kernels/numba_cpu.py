@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnperf.backend import Backend, Capabilities
+from attnperf.backend import Backend, Capabilities, FusedAttention
 from attnperf.inputs import AttentionInputs
 
 try:
@@ -412,23 +412,6 @@ def numba_attention_backward(
     return (*grads, dmask_t)
 
 
-class NumbaAttention(torch.autograd.Function):
-    """Autograd over the fused kernels; saves (out, lse), never the L x S probabilities."""
-
-    @staticmethod
-    def forward(ctx, inputs: AttentionInputs, query, key, value, attn_mask):
-        out, lse = numba_attention_forward(inputs)
-        ctx.inputs = inputs
-        ctx.save_for_backward(out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        out, lse = ctx.saved_tensors
-        dq, dk, dv, dmask = numba_attention_backward(ctx.inputs, out, lse, grad_out)
-        return None, dq, dk, dv, dmask
-
-
 class NumbaBackend(Backend):
     name = "numba"
     description = "fused tiled online-softmax CPU kernel (Numba, BLAS tiles), O(tile) memory"
@@ -448,8 +431,9 @@ class NumbaBackend(Backend):
         return _MISSING
 
     def run(self, inputs: AttentionInputs) -> Tensor:
-        return NumbaAttention.apply(
-            inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask
+        launchers = (numba_attention_forward, numba_attention_backward)
+        return FusedAttention.apply(
+            launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask
         )
 
 

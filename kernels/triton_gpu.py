@@ -15,7 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-from attnperf.backend import Backend, Capabilities
+from attnperf.backend import Backend, Capabilities, FusedAttention
 from attnperf.inputs import AttentionInputs
 
 try:
@@ -84,7 +84,7 @@ def _autotune(**kwargs):
 # ---------------------------------------------------------------------------- kernels
 @_jit
 def load_scores(
-    q, K, Mask, b, h, hk, offs_m, start_n, q_len, kv_len, head_dim, scale2,
+    q, K, Mask, b, h, offs_m, start_n, q_len, kv_len, head_dim, scale2,
     skn, skd, smb, smh, smm, smn,
     MASK_KIND: tl.constexpr, APPLY_CAUSAL: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WIDEN_DOT: tl.constexpr,
@@ -179,7 +179,7 @@ def online_softmax_forward_kernel(
         hi = diagonal_start if phase == 0 else kv_end
         for start_n in range(lo, hi, BLOCK_N):
             s = load_scores(
-                q, K_bh, Mask, b, h, hk, offs_m, start_n, q_len, kv_len,
+                q, K_bh, Mask, b, h, offs_m, start_n, q_len, kv_len,
                 head_dim, scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, phase == 1, EVEN_N,
                 BLOCK_N, BLOCK_D, WIDEN_DOT, IEEE,
             )  # fmt: skip
@@ -224,14 +224,14 @@ def attention_backward_preprocess(
 
 @_jit
 def recompute_probabilities(
-    q, K_bh, Mask, Lse2, b, h, hk, bh, offs_m, start_n, q_len, kv_len, head_dim, scale2,
+    q, K_bh, Mask, Lse2, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim, scale2,
     skn, skd, smb, smh, smm, smn,
     MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """P (BLOCK_M, BLOCK_N) of one tile from the saved base-2 logsumexp."""
     s = load_scores(
-        q, K_bh, Mask, b, h, hk, offs_m, start_n, q_len, kv_len,
+        q, K_bh, Mask, b, h, offs_m, start_n, q_len, kv_len,
         head_dim, scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, False, BLOCK_N,
         BLOCK_D, WIDEN_DOT, IEEE,
     )  # fmt: skip
@@ -282,7 +282,7 @@ def attention_backward_dkdv_kernel(
                 other=0.0,
             )
             p = recompute_probabilities(
-                q, K_bh, Mask, Lse2, b, h, hk, bh, offs_m, start_n, q_len, kv_len, head_dim,
+                q, K_bh, Mask, Lse2, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim,
                 scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, BLOCK_N, BLOCK_D,
                 WIDEN_DOT, IEEE,
             )  # fmt: skip
@@ -343,7 +343,7 @@ def attention_backward_dq_kernel(
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         p = recompute_probabilities(
-            q, K_bh, Mask, Lse2, b, h, hk, bh, offs_m, start_n, q_len, kv_len, head_dim,
+            q, K_bh, Mask, Lse2, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim,
             scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, BLOCK_N, BLOCK_D,
             WIDEN_DOT, IEEE,
         )  # fmt: skip
@@ -472,23 +472,6 @@ def _finish_grads(inputs, dq, dk, dv, dmask):
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), dmask
 
 
-class TritonAttention(torch.autograd.Function):
-    """Autograd over the fused kernels; saves (out, lse2), never the L x S probabilities."""
-
-    @staticmethod
-    def forward(ctx, inputs: AttentionInputs, query, key, value, attn_mask):
-        out, lse2 = triton_attention_forward(inputs)
-        ctx.inputs = inputs
-        ctx.save_for_backward(out, lse2)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        out, lse2 = ctx.saved_tensors
-        dq, dk, dv, dmask = triton_attention_backward(ctx.inputs, out, lse2, grad_out)
-        return None, dq, dk, dv, dmask
-
-
 class TritonBackend(Backend):
     name = "triton"
     description = "fused FlashAttention-2-style GPU kernel (Triton), online softmax in base 2"
@@ -515,8 +498,9 @@ class TritonBackend(Backend):
         return None
 
     def run(self, inputs: AttentionInputs) -> Tensor:
-        return TritonAttention.apply(
-            inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask
+        launchers = (triton_attention_forward, triton_attention_backward)
+        return FusedAttention.apply(
+            launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask
         )
 
 
