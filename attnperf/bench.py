@@ -5,6 +5,9 @@ JIT caches or allocator state cannot slow another. Timing and memory use separat
 timing runs with the default allocator, memory with one that maps every large block apart
 (see WORKER_ENV), which would slow the timings. A timing is one first call (JIT / compile
 time, reported apart), one more warm-up call, then `rounds` timed calls (median, min, max).
+The backends' timed calls of one point take turns, round by round (the order reversed every
+other round), so that a machine whose speed drifts (shared cores, turbo) shifts every
+backend alike and the same-run ratios stay honest.
 """
 
 from __future__ import annotations
@@ -146,11 +149,14 @@ def _timer(device: str) -> Callable[[Callable[[], object]], float]:
 def measure_point(
     config: BenchConfig, backend: str, length: int, causal: bool, pass_: str, memory: bool
 ) -> Measurement:
-    """Time one point, or with `memory` measure its peak extra memory, in this process."""
+    """Set up one point in this process: its first call and a warm-up call, then with
+    `memory` its peak extra memory; else it stays ready for `time_rounds`."""
     import attnperf
     from attnperf import dispatch
     from attnperf.inputs import prepare
 
+    global _READY
+    _READY = None
     point = Measurement(backend, length, causal, pass_)
     point.flops = attention_flops(config, length, causal, pass_)
     if backend == "triton" and not config.device.startswith("cuda"):
@@ -182,25 +188,26 @@ def measure_point(
     if memory:
         peak = cuda_peak_extra_bytes if config.device.startswith("cuda") else cpu_peak_extra_bytes
         point.peak_extra_bytes = peak(call)
-        return point
-    point.times_s = [timer(call) for _ in range(config.rounds)]
-    point.median_s = statistics.median(point.times_s)
-    point.min_s, point.max_s = min(point.times_s), max(point.times_s)
+    else:
+        _READY = (timer, call)
     return point
+
+
+_READY: tuple[Callable, Callable] | None = None  # the worker's point set up for timing
+
+
+def time_rounds(count: int) -> list[float]:
+    """Time `count` calls of the point that measure_point set up in this worker."""
+    timer, call = _READY
+    return [timer(call) for _ in range(count)]
 
 
 def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _run_in_worker(config: BenchConfig, backend: str, memory: bool) -> list:
-    """Futures of every point of one backend, in one fresh spawned process."""
-    points = [
-        (length, causal, pass_)
-        for causal in config.causal
-        for pass_ in config.passes
-        for length in config.lengths
-    ]
+def _start_worker(config: BenchConfig, memory: bool) -> ProcessPoolExecutor:
+    """A fresh spawned process (WORKER_ENV set in it when it measures memory)."""
     saved = {name: os.environ.get(name) for name in WORKER_ENV}
     if memory:
         os.environ.update(WORKER_ENV)  # inherited by the spawned worker
@@ -211,16 +218,14 @@ def _run_in_worker(config: BenchConfig, backend: str, memory: bool) -> list:
             initializer=_init_worker,
             initargs=(config.threads,),
         )
-        # The first submit starts the worker, which copies the environment there and then.
-        jobs = [pool.submit(measure_point, config, backend, *point, memory) for point in points]
+        pool.submit(_init_worker, config.threads).result()  # starts it, in this environment
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    pool.shutdown(wait=False)
-    return jobs
+    return pool
 
 
 def run_sweep(
@@ -229,20 +234,54 @@ def run_sweep(
     """Every point of the sweep; `on_progress` hears of each finished job (2 per point)."""
     from attnperf import dispatch
 
-    def finished(jobs, phase):
-        for job in jobs:
-            point = job.result()
-            if on_progress:
-                on_progress(f"{point.backend} L={point.length} {point.pass_} ({phase})")
-            yield point
+    backends = config.backends or tuple(dispatch.registry())
+    points = [
+        (length, causal, pass_)
+        for causal in config.causal
+        for pass_ in config.passes
+        for length in config.lengths
+    ]
 
+    def progress(point, phase):
+        if on_progress:
+            on_progress(f"{point.backend} L={point.length} {point.pass_} ({phase})")
+
+    timers = {backend: _start_worker(config, memory=False) for backend in backends}
+    timed = {}
+    try:
+        for spec in points:
+            ready = []
+            for backend, worker in timers.items():
+                point = worker.submit(measure_point, config, backend, *spec, False).result()
+                timed[backend, spec] = point
+                if point.status == "ok":
+                    ready.append(backend)
+                else:
+                    progress(point, "time")
+            for round_ in range(config.rounds):
+                for backend in ready if round_ % 2 == 0 else ready[::-1]:
+                    times = timers[backend].submit(time_rounds, 1).result()
+                    timed[backend, spec].times_s += times
+            for backend in ready:
+                point = timed[backend, spec]
+                point.median_s = statistics.median(point.times_s)
+                point.min_s, point.max_s = min(point.times_s), max(point.times_s)
+                progress(point, "time")
+    finally:
+        for worker in timers.values():
+            worker.shutdown()
     results = []
-    for backend in config.backends or tuple(dispatch.registry()):
-        timed = list(finished(_run_in_worker(config, backend, memory=False), "time"))
-        watched = finished(_run_in_worker(config, backend, memory=True), "memory")
-        for point, memory_point in zip(timed, watched, strict=True):
-            point.peak_extra_bytes = memory_point.peak_extra_bytes
-            results.append(point)
+    for backend in backends:
+        watcher = _start_worker(config, memory=True)
+        try:
+            for spec in points:
+                memory_point = watcher.submit(measure_point, config, backend, *spec, True).result()
+                progress(memory_point, "memory")
+                point = timed[backend, spec]
+                point.peak_extra_bytes = memory_point.peak_extra_bytes
+                results.append(point)
+        finally:
+            watcher.shutdown()
     return results
 
 

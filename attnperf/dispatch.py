@@ -5,21 +5,42 @@ from __future__ import annotations
 import functools
 import importlib
 
+import torch
 from torch import Tensor
 
 from attnperf.backend import Backend
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels import BACKEND_MODULES
 
-# Fastest first, per device, from measurements. CPU: fp32, B=1, H=8, E=64 on a 2-core
-# AVX-512 machine, `attnperf bench --backends sdpa numba --lengths 512 1024 2048 4096
-# --causal both`: numba reaches 0.41-0.67x of sdpa's throughput forward (full), 0.75-0.93x
-# causal for L >= 1024, 0.53-0.88x forward+backward; numba serves nothing that sdpa refuses,
-# so sdpa leads for every CPU call.
+# Fastest first, per device, from measurements; CPU calls of the class below put numba first.
 PRIORITY = {
     "cuda": ("triton", "sdpa", "reference"),
     "cpu": ("sdpa", "numba", "reference"),
 }
+CPU_NUMBA_FIRST = ("numba", "sdpa", "reference")
+
+
+def numba_leads_on_cpu(inputs: AttentionInputs) -> bool:
+    """Whether the call is of the CPU class in which numba measured faster than sdpa.
+
+    numba/sdpa throughput, same run, 2-core AVX-512 machine, fp32, no mask, B=1, three runs of
+    `attnperf bench --backends sdpa numba --lengths 512 1024 2048 4096 --causal both
+    --rounds 9` (H=8, E=64) and one with `--heads 4 --head-dim 128 --lengths 2048 4096`:
+      L = S = 2048 / 4096, forward, full:             0.86-0.93x / 0.91-0.98x  (sdpa)
+      L = S = 2048 / 4096, forward, causal:           1.01-1.04x / 1.03-1.10x  (numba)
+      L = S = 2048 / 4096, forward+backward, full:    1.00-1.08x / 1.03-1.09x  (numba)
+      L = S = 2048 / 4096, forward+backward, causal:  0.88-1.03x / 1.00-1.12x  (numba)
+      L = S <= 1024, any:                             0.54-1.06x, mostly < 0.9x (sdpa)
+    Masks, GQA, other dtypes and head dims above 128 were not measured: sdpa stays first.
+    """
+    return (
+        inputs.dtype == torch.float32
+        and inputs.attn_mask is None
+        and inputs.q_heads == inputs.kv_heads
+        and min(inputs.q_len, inputs.kv_len) >= 2048
+        and max(inputs.head_dim, inputs.value_dim) <= 128
+        and (inputs.is_causal or inputs.needs_grad)
+    )
 
 
 class BackendNotSupportedError(RuntimeError):
@@ -36,6 +57,8 @@ def registry() -> dict[str, Backend]:
 def priority(inputs: AttentionInputs) -> tuple[str, ...]:
     """The order in which "auto" tries the backends for this call."""
     order = PRIORITY.get(inputs.device.type, ("reference",))
+    if inputs.device.type == "cpu" and numba_leads_on_cpu(inputs):
+        order = CPU_NUMBA_FIRST
     known = registry()
     return tuple(name for name in order if name in known)
 

@@ -175,10 +175,15 @@ def prepare(
         attn_mask=mask4,
         dropout_p=float(dropout_p),
         is_causal=is_causal,
-        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        scale=_default_scale(head_dim) if scale is None else float(scale),
         enable_gqa=enable_gqa,
         out_shape=(*query.shape[:-1], value.shape[-1]),
     )
+
+
+def _default_scale(head_dim: int) -> float:
+    # E = 0: every score is an empty sum, 0, whatever the scale; SDPA gives the mean of V.
+    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
 
 
 def _prepare_mask(

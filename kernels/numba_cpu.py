@@ -1,15 +1,23 @@
 """The numba backend: a fused, tiled FlashAttention-style CPU kernel (forward and backward).
 
-Query tiles x key tiles, scores from BLAS (np.dot on tiles), softmax kept online in base 2
+Query tiles x key tiles, scores from BLAS sgemm on tiles, softmax kept online in base 2
 (running max and sum, the accumulator rescaled as the max grows), logsumexp saved for the
 backward pass, which recomputes the probabilities tile by tile. Extra memory is O(tile)
 per thread, never O(L x S) (except the float mask's own gradient, which is L x S by nature).
+
+The sgemm is the MKL one inside torch's own library where torch exports it (x86-64 builds),
+else scipy's OpenBLAS. Kernels call it by a name of ours, bound to an address at the first
+call, so that the code cached on disk does not depend on which one serves.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import os
+from contextlib import nullcontext
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,7 +28,11 @@ from attnperf.inputs import AttentionInputs
 
 try:
     import numba
-    import scipy  # noqa: F401  (numba's np.dot calls scipy's BLAS)
+    import scipy  # noqa: F401  (scipy's BLAS serves when torch exports no sgemm)
+    from llvmlite import binding as llvm_binding
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
 
     _MISSING = None
 except ImportError as error:
@@ -36,73 +48,161 @@ def _njit(**options):
 
 
 prange = numba.prange if numba is not None else range
+if numba is None:  # the kernels below are never run then; their helpers only need names
 
-# Tile sizes: of 64/128/256 x 128/256/512, 128 x 256 was as fast as any on a 2-core AVX-512
-# machine (`attnperf bench --backends numba sdpa --lengths 2048 --causal both`).
+    def intrinsic(function):
+        return function
+
+
+SGEMM_SYMBOL = "attnperf_sgemm"
+BLAS_THREADS_SYMBOL = "attnperf_blas_set_num_threads_local"
+
+
+@intrinsic
+def fortran_sgemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """sgemm_(&trans_a, &trans_b, &m, ..., c, &ldc): BLAS's Fortran interface, column-major."""
+    sig = types.void(
+        types.boolean, types.boolean, types.intp, types.intp, types.intp, types.float32, a,
+        types.intp, b, types.intp, types.float32, c, types.intp,
+    )  # fmt: skip
+
+    def codegen(context, builder, signature, args):
+        by_reference = []
+        for value, kind in zip(args, signature.args, strict=True):
+            if isinstance(kind, types.Array):  # a matrix: its data pointer
+                by_reference.append(context.make_array(kind)(context, builder, value).data)
+                continue
+            if kind == types.boolean:  # a transpose flag: 'T' or 'N'
+                char = ir.IntType(8)
+                value = builder.select(value, char(ord("T")), char(ord("N")))
+            elif kind == types.intp:  # Fortran INTEGER of an LP64 BLAS: 32 bits
+                value = builder.trunc(value, ir.IntType(32))
+            slot = cgutils.alloca_once(builder, value.type)
+            builder.store(value, slot)
+            by_reference.append(slot)
+        function_type = ir.FunctionType(ir.VoidType(), [value.type for value in by_reference])
+        function = cgutils.get_or_insert_function(builder.module, function_type, SGEMM_SYMBOL)
+        builder.call(function, by_reference)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def set_blas_threads_local(typingctx, count):
+    """Set the calling thread's BLAS thread count (MKL_Set_Num_Threads_Local): the old one."""
+    sig = types.int32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        int32 = ir.IntType(32)
+        function_type = ir.FunctionType(int32, [int32])
+        function = cgutils.get_or_insert_function(
+            builder.module, function_type, BLAS_THREADS_SYMBOL
+        )
+        return builder.call(function, args)
+
+    return sig, codegen
+
+
+@intrinsic
+def float32_from_bits(typingctx, bits):
+    """The float32 whose bit pattern is the int32 `bits` (vectorises, unlike a view)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def maxnum(typingctx, a, b):
+    """LLVM's maxnum: the larger of two float32, NaN ignored; LLVM vectorises its reductions."""
+    sig = types.float32(types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        float32 = ir.FloatType()
+        function_type = ir.FunctionType(float32, [float32, float32])
+        function = cgutils.get_or_insert_function(builder.module, function_type, "llvm.maxnum.f32")
+        return builder.call(function, args)
+
+    return sig, codegen
+
+
+# Tile sizes: of 64/128/256 x 128/256/512, 128 x 512 was as fast as any, causal or not,
+# forward or backward, at L = 2048 and 4096 on a 2-core AVX-512 machine (same-run ratios to
+# sdpa); square tiles lost up to 30% causal too: a causal query tile stops its last key tile
+# at its own diagonal, so wide key tiles waste at most a triangle.
 BLOCK_M = 128
-BLOCK_N = 256
+BLOCK_N = 512
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # Reassociation and contraction let LLVM vectorise the row loops; no "nnan"/"ninf", so
 # NaN and inf propagate as in SDPA.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-# exp(f * ln 2) for f in [-0.5, 0.5]: Taylor terms ln2^i / i!, error < 1e-8 relative.
-EXP2_COEFFS = tuple(LN2**i / math.factorial(i) for i in range(8))
+# 2**f = exp(f * ln 2) for f in [-0.5, 0.5]: Taylor terms ln2^i / i!, error < 1e-8 relative.
+# float32 constants, or the polynomial is evaluated in float64 at half the vector width.
+EXP2_COEFFS = tuple(np.float32(LN2**i / math.factorial(i)) for i in range(8))
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
 
 @_njit(fastmath=FASTMATH)
-def exp2_rows(x, row_max, rows, cols, bits):
-    """x[r, c] <- 2 ** (x[r, c] - row_max[r]) in place, vectorisable (no libm call).
+def gemm(a, b, c, alpha, beta, trans_a, trans_b):
+    """c = alpha * op(a) @ op(b) + beta * c for 2-D float32 views with unit column stride.
 
-    `bits` is int32 scratch of x's shape; 2**n is built in its exponent field. Values below
-    2**-126 flush to 0 (they vanish next to the row's max, which maps to 1).
+    A row-major c is the column-major c.T = op(b).T @ op(a).T: BLAS gets b before a.
     """
-    c0, c1, c2, c3, c4, c5, c6, c7 = EXP2_COEFFS
-    scale = bits.view(np.float32)
-    for r in range(rows):
-        m = row_max[r]
-        for c in range(cols):
-            t = x[r, c] - m
-            clamped = t if t > -127.0 else np.float32(-127.0)  # -inf and NaN clamp too
-            n = np.floor(clamped + np.float32(0.5))
-            f = clamped - n
-            p = c7
-            p = p * f + c6
-            p = p * f + c5
-            p = p * f + c4
-            p = p * f + c3
-            p = p * f + c2
-            p = p * f + c1
-            p = p * f + c0
-            x[r, c] = p if t == t else t  # NaN stays NaN (times a 0 scale below)
-            bits[r, c] = (np.int32(n) + 127) << 23
-        for c in range(cols):
-            t = x[r, c] * scale[r, c]
-            x[r, c] = t
-    return x
+    rows, cols = c.shape
+    inner = a.shape[0] if trans_a else a.shape[1]
+    if rows == 0 or cols == 0:
+        return
+    if inner == 0:  # an empty product is 0 (and BLAS refuses the leading dimension 0)
+        for r in range(rows):
+            for col in range(cols):
+                c[r, col] = beta * c[r, col] if beta != 0 else 0.0
+        return
+    fortran_sgemm(
+        trans_b, trans_a, cols, rows, inner, np.float32(alpha), b, b.strides[0] // 4, a,
+        a.strides[0] // 4, np.float32(beta), c, c.strides[0] // 4,
+    )  # fmt: skip
 
 
 @_njit(fastmath=FASTMATH)
-def tile_row_max(s, rows, cols, current, out):
-    """out[r] = max(current[r], s[r, :cols]), over 16 lanes so that LLVM vectorises it.
+def row_maximum(row, cols, start):
+    """max(start, row[:cols]); NaN scores are passed over (their exp2 makes the row NaN)."""
+    m = start
+    for c in range(cols):
+        m = maxnum(m, row[c])
+    return m
 
-    NaN scores are passed over here; exp2_rows turns their whole row NaN, as in SDPA.
+
+@_njit(fastmath=FASTMATH)
+def exp2_shifted(row, cols, shift):
+    """row[c] <- 2 ** (row[c] - shift) in place, vectorised (no libm call); returns the sum.
+
+    2**n is built in a float's exponent field; results below 2**-126 flush to 0 (they
+    vanish next to the row's max, which maps to 1). NaN stays NaN.
     """
-    lanes = np.empty(16, np.float32)
-    full = cols - cols % 16
-    for r in range(rows):
-        lanes[:] = current[r]
-        for c0 in range(0, full, 16):
-            for lane in range(16):
-                x = s[r, c0 + lane]
-                lanes[lane] = x if x > lanes[lane] else lanes[lane]
-        m = lanes[0]
-        for lane in range(1, 16):
-            m = lanes[lane] if lanes[lane] > m else m
-        for c in range(full, cols):
-            m = s[r, c] if s[r, c] > m else m
-        out[r] = m
+    c0, c1, c2, c3, c4, c5, c6, c7 = EXP2_COEFFS
+    total = np.float32(0.0)
+    for c in range(cols):
+        t = row[c] - shift
+        clamped = t if t > -127.0 else np.float32(-127.0)  # -inf and NaN clamp too
+        n = np.floor(clamped + np.float32(0.5))
+        f = clamped - n
+        p = c7
+        p = p * f + c6
+        p = p * f + c5
+        p = p * f + c4
+        p = p * f + c3
+        p = p * f + c2
+        p = p * f + c1
+        p = p * f + c0
+        y = p * float32_from_bits((np.int32(n) + 127) << 23)
+        y = y if t == t else t
+        row[c] = y
+        total += y
+    return total
 
 
 @_njit()
@@ -113,19 +213,19 @@ def split_index(item, heads, tiles):
 
 
 @_njit(fastmath=FASTMATH)
-def scaled_masked_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal, scale2):
-    """Scores of one tile in base 2: s * scale * log2(e) + mask * log2(e), causal applied."""
-    for r in range(rows):
-        for c in range(cols):
-            s[r, c] *= scale2
-        if mask_kind == MASK_FLOAT:
+def mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal):
+    """Apply the mask (times log2(e): scores are in base 2) and causality to one tile."""
+    if mask_kind == MASK_FLOAT:
+        for r in range(rows):
             for c in range(cols):
                 s[r, c] += mask[b, h, i0 + r, j0 + c] * LOG2E
-        elif mask_kind == MASK_BOOL:
+    elif mask_kind == MASK_BOOL:
+        for r in range(rows):
             for c in range(cols):
                 if not mask[b, h, i0 + r, j0 + c]:
                     s[r, c] += -np.inf  # like SDPA: a NaN score stays NaN
-        if causal:  # top-left aligned: row i sees keys 0..i
+    if causal:  # top-left aligned: row i sees keys 0..i
+        for r in range(rows):
             for c in range(max(i0 + r + 1 - j0, 0), cols):
                 s[r, c] = -np.inf
 
@@ -137,40 +237,35 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, lse, bl
     kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
     q_tiles = (q_len + block_m - 1) // block_m
-    scale2 = np.float32(scale * LOG2E)
+    scale2 = scale * LOG2E
     for item in prange(batch * q_heads * q_tiles):
+        blas_threads = set_blas_threads_local(1)  # one thread per tile: no oversubscription
         b, h, tile = split_index(item, q_heads, q_tiles)
         hk = h // group
         i0 = tile * block_m
         rows = min(block_m, q_len - i0)
         q_tile = q[b, h, i0 : i0 + rows]
+        s = np.empty((rows, block_n), np.float32)
         acc = np.zeros((rows, value_dim), np.float32)
         row_max = np.full(rows, -np.inf, np.float32)
-        new_max = np.empty(rows, np.float32)
         row_sum = np.zeros(rows, np.float32)
         shift = np.zeros(rows, np.float32)
-        alpha = np.zeros(rows, np.float32)
-        bits = np.empty((rows, block_n), np.int32)
         kv_end = min(kv_len, i0 + rows) if causal else kv_len
         for j0 in range(0, kv_end, block_n):
             cols = min(block_n, kv_end - j0)
-            s = np.dot(q_tile, k[b, hk, j0 : j0 + cols].T)
-            scaled_masked_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal, scale2)
-            tile_row_max(s, rows, cols, row_max, new_max)
+            gemm(q_tile, k[b, hk, j0 : j0 + cols], s[:, :cols], scale2, 0.0, False, True)
+            if mask_kind != MASK_NONE or (causal and j0 + cols > i0 + 1):
+                mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal)
             for r in range(rows):
-                # A row with nothing allowed so far shifts by 0: its exp() stays 0, not NaN.
-                shift[r] = new_max[r] if new_max[r] != -np.inf else 0.0
-                alpha[r] = 2.0 ** (row_max[r] - shift[r]) if row_max[r] != -np.inf else 0.0
-                row_max[r] = new_max[r]
-            exp2_rows(s, shift, rows, cols, bits)
-            for r in range(rows):
-                total = np.float32(0.0)
-                for c in range(cols):
-                    total += s[r, c]
-                row_sum[r] = row_sum[r] * alpha[r] + total
+                new_max = row_maximum(s[r], cols, row_max[r])
+                # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
+                shift[r] = new_max if new_max != -np.inf else 0.0
+                alpha = 2.0 ** (row_max[r] - shift[r]) if row_max[r] != -np.inf else 0.0
+                row_max[r] = new_max
+                row_sum[r] = row_sum[r] * alpha + exp2_shifted(s[r], cols, shift[r])
                 for e in range(value_dim):
-                    acc[r, e] *= alpha[r]
-            acc += np.dot(s, v[b, hk, j0 : j0 + cols])
+                    acc[r, e] *= alpha
+            gemm(s[:, :cols], v[b, hk, j0 : j0 + cols], acc, 1.0, 1.0, False, False)
         for r in range(rows):
             # Fully masked rows (sum 0) give 0, and lse = +inf makes their backward p = 0.
             inv = 1.0 / row_sum[r] if row_sum[r] != 0 else 0.0
@@ -180,29 +275,47 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, lse, bl
                 lse[b, h, i0 + r] = (shift[r] + math.log2(row_sum[r])) * LN2
             else:
                 lse[b, h, i0 + r] = np.inf
+        set_blas_threads_local(blas_threads)
 
 
 @_njit(fastmath=FASTMATH)
-def probabilities(q_tile, k_tile, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2, bits):
-    """P of one (query tile, key tile), recomputed from the saved base-2 logsumexp."""
+def probabilities(q_tile, k_tile, p, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2):
+    """p[:rows, :cols] <- P of one (query tile, key tile), from the saved base-2 logsumexp.
+
+    `p` is a C-contiguous buffer: its rows are C-contiguous too, which the exp2 loop needs
+    to vectorise (a [:rows, :cols] view's rows are not typed so).
+    """
     rows, cols = q_tile.shape[0], k_tile.shape[0]
-    s = np.dot(q_tile, k_tile.T)
-    scaled_masked_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal, scale2)
-    return exp2_rows(s, lse2, rows, cols, bits)
+    gemm(q_tile, k_tile, p[:rows, :cols], scale2, 0.0, False, True)
+    if mask_kind != MASK_NONE or (causal and j0 + cols > i0 + 1):
+        mask_scores(p, mask, mask_kind, b, h, i0, j0, rows, cols, causal)
+    for r in range(rows):
+        exp2_shifted(p[r], cols, lse2[r])
+
+
+@_njit(fastmath=FASTMATH)
+def score_gradients(p, dp, delta, rows, cols):
+    """dp <- dS = P * (dP - delta) on [:rows, :cols] of C-contiguous buffers."""
+    for r in range(rows):
+        d = delta[r]
+        p_row, dp_row = p[r], dp[r]
+        for c in range(cols):
+            dp_row[c] = p_row[c] * (dp_row[c] - d)
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dq(
     q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dq, dmask, block_m, block_n
 ):
-    """dq (and the float mask's gradient dS when dmask has L x S) per query tile."""
-    batch, q_heads, q_len, head_dim = q.shape
+    """dq += (and the float mask's gradient dS, when dmask is L x S) per query tile."""
+    batch, q_heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     q_tiles = (q_len + block_m - 1) // block_m
-    scale2 = np.float32(scale * LOG2E)
+    scale2 = scale * LOG2E
     want_dmask = dmask.shape[2] == q_len and dmask.shape[3] == kv_len
     for item in prange(batch * q_heads * q_tiles):
+        blas_threads = set_blas_threads_local(1)
         b, h, tile = split_index(item, q_heads, q_tiles)
         hk = h // group
         i0 = tile * block_m
@@ -210,86 +323,80 @@ def attention_backward_dq(
         q_tile = q[b, h, i0 : i0 + rows]
         do_tile = grad_out[b, h, i0 : i0 + rows]
         lse2 = (lse[b, h, i0 : i0 + rows] * LOG2E).astype(np.float32)
-        acc = np.zeros((rows, head_dim), np.float32)
-        bits = np.empty((rows, block_n), np.int32)
+        p_buffer = np.empty((rows, block_n), np.float32)
+        ds_buffer = np.empty((rows, block_n), np.float32)
         kv_end = min(kv_len, i0 + rows) if causal else kv_len
         for j0 in range(0, kv_end, block_n):
             cols = min(block_n, kv_end - j0)
-            p = probabilities(
-                q_tile, k[b, hk, j0 : j0 + cols], mask, mask_kind, b, h, i0, j0, causal,
-                scale2, lse2, bits,
-            )  # fmt: skip
-            ds = np.dot(do_tile, v[b, hk, j0 : j0 + cols].T)
-            for r in range(rows):
-                d = delta[b, h, i0 + r]
-                for c in range(cols):
-                    ds[r, c] = p[r, c] * (ds[r, c] - d)
+            k_tile, v_tile = k[b, hk, j0 : j0 + cols], v[b, hk, j0 : j0 + cols]
+            ds = ds_buffer[:, :cols]
+            probabilities(
+                q_tile, k_tile, p_buffer, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2
+            )
+            gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
+            score_gradients(p_buffer, ds_buffer, delta[b, h, i0 : i0 + rows], rows, cols)
             if want_dmask:
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
-            acc += np.dot(ds, k[b, hk, j0 : j0 + cols])
-        dq[b, h, i0 : i0 + rows] = acc * np.float32(scale)
+            gemm(ds, k_tile, dq[b, h, i0 : i0 + rows], scale, 1.0, False, False)
+        set_blas_threads_local(blas_threads)
 
 
 @_njit(fastmath=FASTMATH)
 def key_tile_gradients(
     q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dq, dk, dv, dmask,
-    b, hk, j0, cols, block_m, bits, with_dq,
+    b, hk, j0, cols, block_m, p_buffer, ds_buffer, with_dq,
 ):  # fmt: skip
-    """dk, dv of keys j0..j0+cols of head hk, summed over the query heads of its group.
+    """dk, dv += those of keys j0..j0+cols of head hk, over the query heads of its group.
 
     With `with_dq`, also dq += dS K and, when dmask is L x S, dS into dmask: the caller owns
     every query row of the group then, so no other thread writes them.
     """
     q_heads, q_len = q.shape[1], q.shape[2]
     group = q_heads // k.shape[1]
-    scale2 = np.float32(scale * LOG2E)
+    scale2 = scale * LOG2E
     want_dmask = with_dq and dmask.shape[2] == q_len and dmask.shape[3] == k.shape[2]
-    k_tile = k[b, hk, j0 : j0 + cols]
-    v_tile = v[b, hk, j0 : j0 + cols]
-    dk_acc = np.zeros((cols, k.shape[3]), np.float32)
-    dv_acc = np.zeros((cols, v.shape[3]), np.float32)
+    k_tile, v_tile = k[b, hk, j0 : j0 + cols], v[b, hk, j0 : j0 + cols]
+    dk_tile, dv_tile = dk[b, hk, j0 : j0 + cols], dv[b, hk, j0 : j0 + cols]
     q_start = j0 if causal else 0  # rows above j0 see none of these keys
     for h in range(hk * group, (hk + 1) * group):
         for i0 in range(q_start - q_start % block_m, q_len, block_m):
             rows = min(block_m, q_len - i0)
-            q_tile = q[b, h, i0 : i0 + rows]
-            do_tile = grad_out[b, h, i0 : i0 + rows]
+            q_tile, do_tile = q[b, h, i0 : i0 + rows], grad_out[b, h, i0 : i0 + rows]
             lse2 = (lse[b, h, i0 : i0 + rows] * LOG2E).astype(np.float32)
-            p = probabilities(
-                q_tile, k_tile, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2, bits
+            p, ds = p_buffer[:rows, :cols], ds_buffer[:rows, :cols]
+            probabilities(
+                q_tile, k_tile, p_buffer, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2
             )
-            dv_acc += np.dot(p.T, do_tile)
-            ds = np.dot(do_tile, v_tile.T)
-            for r in range(rows):
-                d = delta[b, h, i0 + r]
-                for c in range(cols):
-                    ds[r, c] = p[r, c] * (ds[r, c] - d)
-            dk_acc += np.dot(ds.T, q_tile)
+            gemm(p, do_tile, dv_tile, 1.0, 1.0, True, False)
+            gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
+            score_gradients(p_buffer, ds_buffer, delta[b, h, i0 : i0 + rows], rows, cols)
+            gemm(ds, q_tile, dk_tile, scale, 1.0, True, False)
             if with_dq:
                 if want_dmask:
                     dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
-                dq[b, h, i0 : i0 + rows] += np.dot(ds, k_tile) * np.float32(scale)
-    dk[b, hk, j0 : j0 + cols] = dk_acc * np.float32(scale)
-    dv[b, hk, j0 : j0 + cols] = dv_acc
+                gemm(ds, k_tile, dq[b, h, i0 : i0 + rows], scale, 1.0, False, False)
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dkdv(
     q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dk, dv, block_m, block_n
 ):
-    """dk, dv per key tile, summed over every query head of the key/value head's group."""
+    """dk, dv += per key tile, summed over every query head of the key/value head's group."""
     batch, kv_heads, kv_len = k.shape[0], k.shape[1], k.shape[2]
     kv_tiles = (kv_len + block_n - 1) // block_n
     unused = np.zeros((1, 1, 1, 1), np.float32)
     for item in prange(batch * kv_heads * kv_tiles):
+        blas_threads = set_blas_threads_local(1)
         b, hk, tile = split_index(item, kv_heads, kv_tiles)
         j0 = tile * block_n
         cols = min(block_n, kv_len - j0)
-        bits = np.empty((block_m, cols), np.int32)
+        p_buffer = np.empty((block_m, cols), np.float32)
+        ds_buffer = np.empty((block_m, cols), np.float32)
         key_tile_gradients(
             q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, unused, dk, dv,
-            unused, b, hk, j0, cols, block_m, bits, False,
+            unused, b, hk, j0, cols, block_m, p_buffer, ds_buffer, False,
         )  # fmt: skip
+        set_blas_threads_local(blas_threads)
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
@@ -304,13 +411,17 @@ def attention_backward_fused(
     """
     batch, kv_heads, kv_len = k.shape[0], k.shape[1], k.shape[2]
     for item in prange(batch * kv_heads):
+        blas_threads = set_blas_threads_local(1)
         b, hk, _ = split_index(item, kv_heads, 1)
-        bits = np.empty((block_m, block_n), np.int32)
+        p_buffer = np.empty((block_m, block_n), np.float32)
+        ds_buffer = np.empty((block_m, block_n), np.float32)
         for j0 in range(0, kv_len, block_n):
             key_tile_gradients(
                 q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dq, dk, dv,
-                dmask, b, hk, j0, min(block_n, kv_len - j0), block_m, bits, True,
+                dmask, b, hk, j0, min(block_n, kv_len - j0), block_m, p_buffer, ds_buffer,
+                True,
             )  # fmt: skip
+        set_blas_threads_local(blas_threads)
 
 
 def _as_numpy(tensor: Tensor) -> np.ndarray:
@@ -332,37 +443,83 @@ def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int]:
     return _as_numpy(compact.float().expand(mask.shape)), MASK_FLOAT
 
 
+BLAS_CHOICES = ("auto", "torch", "scipy")
+
+
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def _torch_mkl() -> tuple[int, int] | None:
+    """Addresses of sgemm_ and MKL_Set_Num_Threads_Local in torch's library, if exported."""
+    for path in sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*")):
+        try:
+            library = ctypes.CDLL(str(path))
+            return _address(library.sgemm_), _address(library.MKL_Set_Num_Threads_Local)
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def _keep_blas_threads(count):
+    return 0  # scipy's OpenBLAS is pinned from outside (threadpoolctl) instead
+
+
+def _scipy_openblas() -> tuple[int, int]:
+    """Addresses of scipy's sgemm and of a no-op thread setter (a C callback, no GIL)."""
+    import scipy.linalg.cython_blas
+
+    capsule = scipy.linalg.cython_blas.__pyx_capi__["sgemm"]
+    api = ctypes.pythonapi
+    api.PyCapsule_GetName.restype = ctypes.c_char_p
+    api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    sgemm = api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))
+    return sgemm, numba.cfunc(types.int32(types.int32))(_keep_blas_threads).address
+
+
 @functools.cache
-def _blas_controller():
-    """Set up threads once, at the first call (never at import).
+def setup() -> tuple[str, object]:
+    """Bind the kernels' BLAS and pick the threading layer, once, at the first call.
 
-    Numba's "workqueue" layer is its own pthread pool: no second OpenMP runtime to fight
-    torch's OpenMP pool, and OpenBLAS sees no OpenMP loop around its calls. A layer chosen
-    by the user (NUMBA_THREADING_LAYER) is respected.
+    Returns the BLAS's name and what pins it to one thread from outside (None where the
+    kernels pin it themselves, per thread). torch's MKL serves where torch exports it, else
+    scipy's OpenBLAS; ATTNPERF_NUMBA_BLAS=torch|scipy insists on one. Numba's "workqueue"
+    layer is its own pthread pool: no second OpenMP runtime to fight torch's OpenMP pool. A
+    layer chosen by the user (NUMBA_THREADING_LAYER) is respected.
     """
-    import scipy.linalg.cython_blas  # noqa: F401  (loads the BLAS that numba's np.dot calls)
-    from threadpoolctl import ThreadpoolController
+    choice = os.environ.get("ATTNPERF_NUMBA_BLAS", "auto")
+    if choice not in BLAS_CHOICES:
+        raise ValueError(f"ATTNPERF_NUMBA_BLAS must be one of {BLAS_CHOICES}, got {choice!r}")
+    mkl = _torch_mkl() if choice != "scipy" else None
+    if mkl is None and choice == "torch":
+        raise RuntimeError("ATTNPERF_NUMBA_BLAS=torch, but torch's library exports no MKL sgemm_")
+    if mkl is not None:
+        name, (sgemm, set_threads), controller = "torch's MKL", mkl, None
+    else:
+        from threadpoolctl import ThreadpoolController
 
+        name, (sgemm, set_threads) = "scipy's OpenBLAS", _scipy_openblas()
+        controller = ThreadpoolController()
+    llvm_binding.add_symbol(SGEMM_SYMBOL, sgemm)
+    llvm_binding.add_symbol(BLAS_THREADS_SYMBOL, set_threads)
     if numba.config.THREADING_LAYER == "default":
         numba.config.THREADING_LAYER = "workqueue"
-    return ThreadpoolController()
+    return name, controller
 
 
 def _run_parallel(kernel, *args) -> None:
-    """Run a prange kernel on torch's thread count, with BLAS pinned to one thread per tile."""
-    controller = _blas_controller()
+    """Run a prange kernel on torch's thread count, BLAS on one thread inside it."""
+    _, controller = setup()
     numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    with controller.limit(limits=1, user_api="blas"):
+    pinned = controller.limit(limits=1, user_api="blas") if controller else nullcontext()
+    with pinned:
         kernel(*args)
 
 
 def _fp32(tensor: Tensor) -> np.ndarray:
     return _as_numpy(tensor.detach().to(torch.float32).contiguous())
-
-
-def _block_n(inputs: AttentionInputs) -> int:
-    # Causal: key tiles as tall as query tiles, so diagonal tiles waste no half-tile.
-    return BLOCK_M if inputs.is_causal else BLOCK_N
 
 
 def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
@@ -371,10 +528,10 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     mask, mask_kind = _mask_for_kernel(inputs)
     out = np.empty((*q.shape[:3], v.shape[3]), np.float32)
     lse = np.empty(q.shape[:3], np.float64)  # fp64: large logits lose no bits in backward
-    if q.size and k.shape[2]:
+    if q.shape[2] and k.shape[2]:
         _run_parallel(
             online_softmax_forward, q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale,
-            out, lse, BLOCK_M, _block_n(inputs),
+            out, lse, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     else:  # no keys: zeros; lse = +inf makes the backward pass zero as well
         out[:], lse[:] = 0.0, np.inf
@@ -399,9 +556,9 @@ def numba_attention_backward(
     dmask = np.zeros(mask.shape if want_dmask else (1, 1, 1, 1), np.float32)
     if fused is None:
         fused = inputs.batch * inputs.kv_heads >= 2 * torch.get_num_threads()
-    if q.size and k.shape[2]:
+    if q.shape[2] and k.shape[2]:
         common = (q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale, lse, do, delta)
-        blocks = (BLOCK_M, _block_n(inputs))
+        blocks = (BLOCK_M, BLOCK_N)
         if fused:
             _run_parallel(attention_backward_fused, *common, dq, dk, dv, dmask, *blocks)
         else:

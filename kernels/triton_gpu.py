@@ -438,7 +438,7 @@ def triton_attention_backward(
     if not want_dmask:
         dmask = dmask[:0]
     dmask_or_none = dmask if want_dmask else None
-    if q.numel() == 0 or kv_len == 0:
+    if q_len == 0 or kv_len == 0:  # E = 0 still has work: P from zero scores
         return _finish_grads(inputs, dq, dk, dv, dmask_or_none)
     grad_out = grad_out.contiguous()
     out = out.contiguous()

@@ -104,6 +104,7 @@ MASKS = {
 
 CASES = [
     Case("basic"),
+    Case("head_dim_0", head_dim=0, value_dim=3, q_len=9, kv_len=11),
     Case("head_dim_1", head_dim=1, q_len=9, kv_len=11),
     Case("head_dim_59", head_dim=59, batch=(1,), q_len=17, kv_len=19),
     Case("head_dim_111", head_dim=111, batch=(1,), q_len=17, kv_len=19),

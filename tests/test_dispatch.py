@@ -86,3 +86,37 @@ def test_capability_table_lists_every_backend():
     for row in table:
         assert row["available"] == (row["unavailable_reason"] is None)
         assert {"devices", "dtypes", "features", "max_head_dim"} <= row.keys()
+
+
+def big(length=2048, head_dim=64, requires_grad=False, **shape):
+    shape = {"batch": 1, "heads": 2, **shape}
+    return tuple(
+        torch.empty(shape["batch"], shape["heads"], length, head_dim, requires_grad=requires_grad)
+        for _ in range(3)
+    )
+
+
+@pytest.mark.parametrize(
+    "call, numba_first",
+    [
+        pytest.param(lambda: (big(), {"is_causal": True}), True, id="causal-2048"),
+        pytest.param(lambda: (big(requires_grad=True), {}), True, id="training-2048"),
+        pytest.param(lambda: (big(), {}), False, id="inference-full-2048"),
+        pytest.param(lambda: (big(1024), {"is_causal": True}), False, id="causal-1024"),
+        pytest.param(lambda: (big(head_dim=256), {"is_causal": True}), False, id="head-dim-256"),
+        pytest.param(
+            lambda: (big(), {"attn_mask": torch.ones(2048, 2048, dtype=torch.bool)}),
+            False,
+            id="masked",
+        ),
+        pytest.param(
+            lambda: (tuple(t.half() for t in big()), {"is_causal": True}), False, id="fp16"
+        ),
+    ],
+)
+def test_cpu_order_follows_the_measured_shape_classes(call, numba_first):
+    from attnperf.inputs import prepare
+
+    tensors, options = call()
+    order = dispatch.priority(prepare(*tensors, **options))
+    assert order[:2] == (("numba", "sdpa") if numba_first else ("sdpa", "numba"))

@@ -1,5 +1,10 @@
-"""The numba backend's own choices: both backward schedules give the same gradients."""
+"""The numba backend's own choices: the BLAS it binds, both backward schedules."""
 
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
@@ -27,3 +32,67 @@ def test_fused_and_two_pass_backward_agree(causal):
             assert a is None, name
             continue
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("trans_a", [False, True], ids=["a", "a.T"])
+@pytest.mark.parametrize("trans_b", [False, True], ids=["b", "b.T"])
+def test_gemm_on_strided_tile_views(trans_a, trans_b):
+    numba_cpu.setup()
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((40, 50), dtype=np.float32)[3 : 8 + 3, 2 : 7 + 2]  # rows 8, cols 7
+    a = a.T.copy()[:, :8] if trans_a else a  # op(a) is 8 x 7 either way
+    b = rng.standard_normal((30, 20), dtype=np.float32)[:7, :5]
+    b = b.T.copy() if trans_b else b
+    c_full = rng.standard_normal((12, 9), dtype=np.float32)
+    c = c_full[:8, :5]
+    expected = 0.5 * (a.T if trans_a else a) @ (b.T if trans_b else b) + 2.0 * c
+    untouched = c_full.copy()
+    numba_cpu.gemm(a, b, c, 0.5, 2.0, trans_a, trans_b)
+    np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-5)
+    untouched[:8, :5] = c
+    np.testing.assert_array_equal(c_full, untouched)  # nothing outside the view written
+
+
+def test_blas_choice_names_the_variable(monkeypatch):
+    monkeypatch.setenv("ATTNPERF_NUMBA_BLAS", "mkl-please")
+    with pytest.raises(ValueError, match="ATTNPERF_NUMBA_BLAS must be one of"):
+        numba_cpu.setup.__wrapped__()  # raises before binding anything
+
+
+OPENBLAS_CHECK = """
+import torch
+from attnperf import attention
+from attnperf.kernels import numba_cpu
+from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
+
+gen = torch.Generator().manual_seed(0)
+qkv = [torch.randn(1, 2, 300, 48, generator=gen) for _ in range(3)]
+grad_out = torch.randn(1, 2, 300, 48, generator=gen)
+
+def output_and_grads(fn, dtype, causal):
+    leaves = [t.to(dtype).detach().clone().requires_grad_() for t in qkv]
+    out = fn(*leaves, is_causal=causal)
+    out.backward(grad_out.to(dtype))
+    return [out] + [leaf.grad for leaf in leaves]
+
+def numba(q, k, v, is_causal):
+    return attention(q, k, v, is_causal=is_causal, backend="numba")
+
+for causal in (False, True):
+    actual = output_and_grads(numba, torch.float32, causal)
+    exact = output_and_grads(float64_reference, torch.float64, causal)
+    baseline = output_and_grads(same_precision_reference, torch.float32, causal)
+    for what, a, e, b in zip(("out", "dq", "dk", "dv"), actual, exact, baseline):
+        assert_agrees(a, e, b, what=what)
+print(numba_cpu.setup()[0])
+"""
+
+
+def test_scipy_openblas_serves_when_asked():
+    env = {**os.environ, "ATTNPERF_NUMBA_BLAS": "scipy"}
+    result = subprocess.run(
+        [sys.executable, "-c", OPENBLAS_CHECK], capture_output=True, text=True, env=env,
+        timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("scipy's OpenBLAS")
