@@ -519,7 +519,16 @@ def _run_parallel(kernel, *args) -> None:
 
 
 def _fp32(tensor: Tensor) -> np.ndarray:
-    return _as_numpy(tensor.detach().to(torch.float32).contiguous())
+    """An fp32 array of `tensor` for the kernels: a view where BLAS can read it in place
+    (fp32, unit stride along the head dim, rows apart: a (B, L, H, E) tensor viewed as
+    (B, H, L, E), say), else an fp32 contiguous copy."""
+    tensor = tensor.detach()
+    in_place = (
+        tensor.dtype == torch.float32
+        and tensor.stride(-1) == 1
+        and tensor.stride(-2) >= max(tensor.shape[-1], 1)
+    )
+    return _as_numpy(tensor if in_place else tensor.to(torch.float32).contiguous())
 
 
 def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
@@ -548,10 +557,10 @@ def numba_attention_backward(
     """
     q, k, v = _fp32(inputs.query), _fp32(inputs.key), _fp32(inputs.value)
     mask, mask_kind = _mask_for_kernel(inputs)
-    do = grad_out.to(torch.float32).contiguous()
-    delta = _as_numpy((do * out.to(torch.float32)).sum(-1).contiguous())
-    do, lse = _as_numpy(do), _as_numpy(lse.contiguous())
-    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    do = _fp32(grad_out)
+    delta = _as_numpy((grad_out.detach().float() * out.float()).sum(-1).contiguous())
+    lse = _as_numpy(lse.contiguous())
+    dq, dk, dv = (np.zeros(t.shape, np.float32) for t in (q, k, v))
     want_dmask = inputs.mask_kind == "float" and inputs.attn_mask.requires_grad
     dmask = np.zeros(mask.shape if want_dmask else (1, 1, 1, 1), np.float32)
     if fused is None:

@@ -96,3 +96,14 @@ def test_scipy_openblas_serves_when_asked():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("scipy's OpenBLAS")
+
+
+def test_fp32_views_are_read_in_place_and_other_layouts_copied():
+    blhe = torch.randn(2, 300, 4, 32)
+    in_place = blhe.transpose(1, 2)  # (B, H, L, E) with unit stride along E
+    assert np.shares_memory(numba_cpu._fp32(in_place), blhe.numpy())
+    one_row_repeated = in_place[:, :, :1].expand(2, 4, 300, 32)  # row stride 0
+    for copied in (in_place.transpose(-1, -2), in_place.half(), one_row_repeated):
+        array = numba_cpu._fp32(copied)
+        assert array.dtype == np.float32 and array.flags.c_contiguous
+        np.testing.assert_array_equal(array, copied.float().numpy())
