@@ -29,7 +29,7 @@ def numba_leads_on_cpu(inputs: AttentionInputs) -> bool:
       L = S = 2048 / 4096, forward, full:             0.86-0.93x / 0.91-0.98x  (sdpa)
       L = S = 2048 / 4096, forward, causal:           1.01-1.04x / 1.03-1.10x  (numba)
       L = S = 2048 / 4096, forward+backward, full:    1.00-1.08x / 1.03-1.09x  (numba)
-      L = S = 2048 / 4096, forward+backward, causal:  0.88-1.03x / 1.00-1.12x  (numba)
+      L = S = 2048 / 4096, forward+backward, causal:  0.88-1.03x / 1.00-1.12x  (even / numba)
       L = S <= 1024, any:                             0.54-1.06x, mostly < 0.9x (sdpa)
     Masks, GQA, other dtypes and head dims above 128 were not measured: sdpa stays first.
     """
