@@ -148,3 +148,11 @@ def test_fp32_views_are_read_in_place_and_other_layouts_copied():
         array = numba_cpu._fp32(copied)
         assert array.dtype == np.float32 and array.flags.c_contiguous
         np.testing.assert_array_equal(array, copied.float().numpy())
+
+
+@pytest.mark.parametrize(
+    "items, threads, fused",
+    [(1, 1, True), (1, 2, False), (2, 2, True), (3, 2, True), (5, 4, False), (8, 2, True)],
+)
+def test_backward_schedule_follows_thread_occupancy(items, threads, fused):
+    assert numba_cpu.fused_backward_pays(items, threads) is fused
