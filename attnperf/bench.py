@@ -5,9 +5,10 @@ JIT caches or allocator state cannot slow another. Timing and memory use separat
 timing runs with the default allocator, memory with one that maps every large block apart
 (see WORKER_ENV), which would slow the timings. A timing is one first call (JIT / compile
 time, reported apart), one more warm-up call, then `rounds` timed calls (median, min, max).
-The backends' timed calls of one point take turns, round by round (the order reversed every
-other round), so that a machine whose speed drifts (shared cores, turbo) shifts every
-backend alike and the same-run ratios stay honest.
+The backends take turns at each point, round by round (the order reversed every other
+round), so that a machine whose speed drifts (shared cores, turbo) shifts every backend
+alike and the same-run ratios stay honest; each turn is an untimed call, which wakes the
+worker's thread pools after the others' turns, then the timed one.
 """
 
 from __future__ import annotations
@@ -196,10 +197,13 @@ def measure_point(
 _READY: tuple[Callable, Callable] | None = None  # the worker's point set up for timing
 
 
-def time_rounds(count: int) -> list[float]:
-    """Time `count` calls of the point that measure_point set up in this worker."""
+def time_turn() -> float:
+    """One turn at the point that measure_point set up in this worker: a call to wake this
+    process's thread pools and caches after the other backends' turns, then the timed call
+    (back to back, as a caller's repeated calls run)."""
     timer, call = _READY
-    return [timer(call) for _ in range(count)]
+    timer(call)
+    return timer(call)
 
 
 def _init_worker(threads: int) -> None:
@@ -260,8 +264,8 @@ def run_sweep(
                     progress(point, "time")
             for round_ in range(config.rounds):
                 for backend in ready if round_ % 2 == 0 else ready[::-1]:
-                    times = timers[backend].submit(time_rounds, 1).result()
-                    timed[backend, spec].times_s += times
+                    seconds = timers[backend].submit(time_turn).result()
+                    timed[backend, spec].times_s.append(seconds)
             for backend in ready:
                 point = timed[backend, spec]
                 point.median_s = statistics.median(point.times_s)

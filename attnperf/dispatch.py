@@ -23,14 +23,14 @@ CPU_NUMBA_FIRST = ("numba", "sdpa", "reference")
 def numba_leads_on_cpu(inputs: AttentionInputs) -> bool:
     """Whether the call is of the CPU class in which numba measured faster than sdpa.
 
-    numba/sdpa throughput, same run, 2-core AVX-512 machine, fp32, no mask, B=1, three runs of
+    numba/sdpa throughput, same run, 2-core AVX-512 machine, fp32, no mask, B=1; five runs of
     `attnperf bench --backends sdpa numba --lengths 512 1024 2048 4096 --causal both
     --rounds 9` (H=8, E=64) and one with `--heads 4 --head-dim 128 --lengths 2048 4096`:
-      L = S = 2048 / 4096, forward, full:             0.86-0.93x / 0.91-0.98x  (sdpa)
-      L = S = 2048 / 4096, forward, causal:           1.01-1.04x / 1.03-1.10x  (numba)
-      L = S = 2048 / 4096, forward+backward, full:    1.00-1.08x / 1.03-1.09x  (numba)
-      L = S = 2048 / 4096, forward+backward, causal:  0.88-1.03x / 1.00-1.12x  (even / numba)
-      L = S <= 1024, any:                             0.54-1.06x, mostly < 0.9x (sdpa)
+      L = S = 2048 / 4096, forward, full:             0.84-0.95x / 0.91-0.98x  (sdpa)
+      L = S = 2048 / 4096, forward, causal:           1.01-1.08x / 1.00-1.10x  (numba)
+      L = S = 2048 / 4096, forward+backward, full:    0.96-1.08x / 0.97-1.09x  (numba, mostly)
+      L = S = 2048 / 4096, forward+backward, causal:  0.88-1.05x / 1.00-1.14x  (numba, mostly)
+      L = S <= 1024, any:                             0.54-1.17x, mostly < 0.95x (sdpa)
     Masks, GQA, other dtypes and head dims above 128 were not measured: sdpa stays first.
     """
     return (
