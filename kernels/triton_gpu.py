@@ -49,30 +49,81 @@ def forward_configs() -> list:
         return []
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    # (BLOCK_M, BLOCK_N, warps, stages): few enough that tuning every key stays in seconds.
-    shapes = ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4))
+    # (BLOCK_M, BLOCK_N, warps, stages): few enough that tuning every key stays in seconds;
+    # the last ones are small enough for fp32 at head dim 256 (and a last resort).
+    shapes = (
+        (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4),
+        (32, 32, 4, 2), (32, 16, 4, 1),
+    )  # fmt: skip
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in shapes
     ]
 
 
+def shared_memory_limit(device_index: int) -> int:
+    """Bytes of shared memory one block may use on this GPU (what Triton checks at launch)."""
+    properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return properties["max_shared_mem"]
+
+
+def forward_shared_bytes(config, head_dim: int, value_dim: int, element: int, masked: bool):
+    """Shared memory of the forward kernel: K and V tiles per pipeline stage, the Q tile, a
+    mask tile. Never below what the compiler took for sm_90 in
+    `python benches/triton_compile_check.py` (fp16, bf16, fp32; head dims 64 to 256)."""
+    m, n, stages = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_stages
+    kv_tiles = stages * n * (head_dim + value_dim) * element
+    return kv_tiles + m * head_dim * element + (m * n * 4 if masked else 0) + 1024
+
+
 def prune_forward_configs(configs, named_args, **kwargs):
-    """Drop tiles that overflow shared memory at large head dims or dwarf short sequences."""
+    """Keep the tiles that fit this GPU's shared memory, are not too large for the registers
+    at large head dims, and do not dwarf short sequences; at worst the smallest tile."""
     args = {**named_args, **kwargs}
-    head_dim = max(args["BLOCK_D"], args["BLOCK_DV"])
-    q_len = args["q_len"]
+    head_dim, value_dim = args["BLOCK_D"], args["BLOCK_DV"]
+    query = args["Q"]
+    limit = shared_memory_limit(query.device.index)
+    masked = args["MASK_KIND"] != MASK_NONE
     kept = [
         c
         for c in configs
-        if c.kwargs["BLOCK_N"] * head_dim <= 128 * 128
-        and c.kwargs["BLOCK_M"] * head_dim <= 128 * 256
-        and (c.kwargs["BLOCK_M"] <= max(_next_power_of_2(q_len), 64))
+        if c.kwargs["BLOCK_N"] * max(head_dim, value_dim) <= 128 * 128
+        and c.kwargs["BLOCK_M"] * max(head_dim, value_dim) <= 128 * 256
+        and c.kwargs["BLOCK_M"] <= max(_next_power_of_2(args["q_len"]), 64)
+        and forward_shared_bytes(c, head_dim, value_dim, query.element_size(), masked) <= limit
     ]
-    return kept or configs[:1]
+    return kept or configs[-1:]
 
 
-BACKWARD_BLOCK = 32 if INTERPRET else 64
+# Backward (BLOCK_M = BLOCK_N, pipeline stages, shared bytes per padded head-dim element per
+# input byte), fastest first. The bytes are the most that the dK/dV or the dQ kernel took
+# compiled for sm_90 (`python benches/triton_compile_check.py`, fp16 and fp32, head dims 64
+# to 256); a mask adds a tile.
+BACKWARD_CONFIGS = (
+    (64, 3, 704),
+    (64, 2, 512),
+    (32, 3, 264),
+    (32, 2, 168),
+    (64, 1, 288),
+    (32, 1, 136),
+)
+
+
+def backward_config(inputs: AttentionInputs, device_index: int) -> tuple[int, int]:
+    """(block, stages) of the backward kernels: the fastest that fits the GPU's shared memory."""
+    if INTERPRET:
+        return 32, 1
+    dim = max(_next_power_of_2(inputs.head_dim), _next_power_of_2(inputs.value_dim), 16)
+    element = inputs.query.element_size()
+    limit = shared_memory_limit(device_index)
+    for block, stages, per_element in BACKWARD_CONFIGS:
+        mask_tile = block * block * 4 if inputs.attn_mask is not None else 0
+        if per_element * dim * element + mask_tile + 1024 <= limit:
+            return block, stages
+    raise RuntimeError(
+        f"triton backward: head dim {inputs.head_dim} in {inputs.dtype} needs more shared "
+        f"memory per block than this GPU's {limit} bytes"
+    )
 
 
 def _autotune(**kwargs):
@@ -449,19 +500,19 @@ def triton_attention_backward(
         out, grad_out, delta, rows, inputs.value_dim, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"]
     )
     mask, mask_strides, mask_kind = _mask_args(inputs, q)
-    block = BACKWARD_BLOCK
+    block, stages = backward_config(inputs, q.device.index)
     common = (*q.stride(), *k.stride(), *v.stride(), *mask_strides)
     attention_backward_dkdv_kernel[(triton.cdiv(kv_len, block), batch * kv_heads)](
         q, k, v, mask, grad_out, lse2, delta, dk, dv, *common, *dk.stride(), q_heads, kv_heads,
         q_heads // kv_heads, q_len, kv_len, inputs.head_dim, inputs.value_dim,
         inputs.scale * LOG2E, inputs.scale, MASK_KIND=mask_kind, CAUSAL=inputs.is_causal,
-        BLOCK_M=block, BLOCK_N=block, **flags,
+        BLOCK_M=block, BLOCK_N=block, num_stages=stages, **flags,
     )  # fmt: skip
     attention_backward_dq_kernel[(triton.cdiv(q_len, block), batch * q_heads)](
         q, k, v, mask, grad_out, lse2, delta, dq, dmask, *common, q_heads, q_heads // kv_heads,
         q_len, kv_len, inputs.head_dim, inputs.value_dim, inputs.scale * LOG2E, inputs.scale,
         MASK_KIND=mask_kind, CAUSAL=inputs.is_causal, WANT_DMASK=want_dmask, BLOCK_M=block,
-        BLOCK_N=block, **flags,
+        BLOCK_N=block, num_stages=stages, **flags,
     )  # fmt: skip
     return _finish_grads(inputs, dq, dk, dv, dmask_or_none)
 

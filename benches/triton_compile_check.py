@@ -1,0 +1,147 @@
+"""Compile the triton backend's kernels for a real NVIDIA GPU target, on a machine without one.
+
+    python benches/triton_compile_check.py              # sm_90 (H100/H200)
+    python benches/triton_compile_check.py --arch 80    # sm_80 (A100)
+    python benches/triton_compile_check.py --quick      # one call per kind of kernel
+
+The CPU interpreter that CI tests the kernels with never runs Triton's GPU compiler. This
+script does, down to ptxas and a cubin: it runs the backend's own launchers on CPU stand-in
+tensors with a compile-only driver, every kernel launch (and every autotune config that the
+pruning keeps) compiled instead of launched. It prints each kernel's shared memory against
+the target's per-block limit and exits 1 if a kernel fails to compile or would not fit.
+Covered: fp16, bf16 and fp32 at head dims 64, 128 and 256 (forward configs and backward
+kernels), then masks, causal and ragged lengths at head dim 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # the GPU compiler, not the interpreter
+
+import torch
+
+# Largest shared memory one block may use (opt-in), in bytes, per compute capability.
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class CompileOnlyDriver:
+    """Just enough of a Triton driver to compile for `target`; it never launches."""
+
+    def __init__(self, target, shared_limit: int):
+        self.target = target
+        self.utils = self  # the launchers ask driver.utils for the device's shared memory
+        self.shared_limit = shared_limit
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": self.shared_limit}
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self):
+        return True
+
+
+def install_compile_only(arch: int, compiled: list, every_config: bool) -> None:
+    """Route every launch of the backend's kernels into a compile for sm_<arch>."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32), SHARED_LIMIT[arch]))
+    run = JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        start = time.perf_counter()
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        flags = {k: v for k, v in kwargs.items() if k.isupper()}
+        compiled.append((self.__name__, flags, kernel.metadata.shared, time.perf_counter() - start))
+        return kernel
+
+    def kept_configs(self, *args, **kwargs):
+        self.nargs = dict(zip(self.arg_names, args, strict=False))
+        configs = self.prune_configs(kwargs)
+        for config in configs if every_config else configs[:1]:
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+        self.nargs = None
+
+    JITFunction.run = compile_instead
+    Autotuner.run = kept_configs
+
+
+def calls(quick: bool):
+    """(label, prepare() arguments, with backward) for every call to compile."""
+    gen = torch.Generator().manual_seed(0)
+
+    def qkv(dtype, head_dim, length=256, kv_length=256):
+        shapes = ((1, 2, length, head_dim), (1, 2, kv_length, head_dim))
+        q = torch.randn(shapes[0], generator=gen).to(dtype)
+        k, v = (torch.randn(shapes[1], generator=gen).to(dtype) for _ in range(2))
+        return q, k, v
+
+    dtypes = {"fp16": DTYPES["fp16"]} if quick else DTYPES
+    head_dims = (64,) if quick else (64, 128, 256)
+    for name, dtype in dtypes.items():
+        for head_dim in head_dims:
+            yield f"{name} E={head_dim}", dict(zip("qkv", qkv(dtype, head_dim), strict=True)), True
+    if quick:
+        return
+    q, k, v = qkv(torch.float16, 64, 200, 300)  # ragged: EVEN_N false
+    bool_mask = torch.rand(200, 300, generator=gen) > 0.5
+    float_mask = torch.randn(200, 300, generator=gen).to(torch.float16).requires_grad_()
+    yield "fp16 ragged causal", {"q": q, "k": k, "v": v, "is_causal": True}, True
+    yield "fp16 ragged bool mask", {"q": q, "k": k, "v": v, "attn_mask": bool_mask}, True
+    yield "fp16 ragged float mask", {"q": q, "k": k, "v": v, "attn_mask": float_mask}, True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT))
+    parser.add_argument("--quick", action="store_true", help="fp16, E=64, first config only")
+    args = parser.parse_args()
+
+    compiled: list = []
+    install_compile_only(args.arch, compiled, every_config=not args.quick)
+    from attnperf.inputs import prepare
+    from attnperf.kernels import triton_gpu
+
+    limit = SHARED_LIMIT[args.arch]
+    failures = 0
+    for label, call, backward in calls(args.quick):
+        inputs = prepare(call["q"], call["k"], call["v"], call.get("attn_mask"),
+                         is_causal=call.get("is_causal", False))  # fmt: skip
+        before = len(compiled)
+        try:
+            out, lse2 = triton_gpu.triton_attention_forward(inputs)
+            if backward:
+                triton_gpu.triton_attention_backward(inputs, out, lse2, torch.ones_like(out))
+        except Exception as error:  # a compiler error: report it, go on with the next call
+            failures += 1
+            print(f"FAILED {label}: {type(error).__name__}: {str(error)[:2000]}")
+            continue
+        for name, flags, shared, seconds in compiled[before:]:
+            fits = shared <= limit
+            failures += not fits
+            blocks = {k: v for k, v in flags.items() if k.startswith("BLOCK") or k == "IEEE"}
+            print(
+                f"{'ok ' if fits else 'TOO BIG'} {label:24} {name:34} shared {shared:>6} B "
+                f"of {limit} ({seconds:.1f} s) {blocks}"
+            )
+    print(f"sm_{args.arch}: {len(compiled)} kernels compiled, {failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
