@@ -41,6 +41,7 @@ class BenchConfig:
     lengths: tuple[int, ...] = (256, 512, 1024, 2048)
     batch: int = 1
     heads: int = 8
+    kv_heads: int | None = None  # key/value heads (GQA when fewer than heads); None: heads
     head_dim: int = 64
     dtype: str = "float32"
     causal: tuple[bool, ...] = (False,)
@@ -166,18 +167,23 @@ def measure_point(
     dtype = getattr(torch, config.dtype)
     gen = torch.Generator().manual_seed(0)
     shape = (config.batch, config.heads, length, config.head_dim)
-    q, k, v = (torch.randn(shape, generator=gen).to(config.device, dtype) for _ in range(3))
+    kv_shape = (config.batch, config.kv_heads or config.heads, length, config.head_dim)
+    q, k, v = (
+        torch.randn(s, generator=gen).to(config.device, dtype) for s in (shape, kv_shape, kv_shape)
+    )
+    gqa = kv_shape[1] != shape[1]
     backward = pass_ == "forward+backward"
     for tensor in (q, k, v):
         tensor.requires_grad_(backward)
-    reasons = dispatch.registry()[backend].not_supported_reasons(prepare(q, k, v, is_causal=causal))
+    inputs = prepare(q, k, v, is_causal=causal, enable_gqa=gqa)
+    reasons = dispatch.registry()[backend].not_supported_reasons(inputs)
     if reasons:
         point.status = "not supported: " + "; ".join(reasons)
         return point
     grad_out = torch.randn(shape, generator=gen).to(config.device, dtype)
 
     def call():
-        out = attnperf.attention(q, k, v, is_causal=causal, backend=backend)
+        out = attnperf.attention(q, k, v, is_causal=causal, enable_gqa=gqa, backend=backend)
         if backward:
             q.grad = k.grad = v.grad = None
             out.backward(grad_out)

@@ -77,6 +77,7 @@ def bench(args: argparse.Namespace) -> int:
         lengths=tuple(args.lengths or (QUICK_LENGTHS if args.quick else BenchConfig.lengths)),
         batch=args.batch,
         heads=args.heads,
+        kv_heads=args.kv_heads,
         head_dim=args.head_dim,
         dtype=args.dtype,
         causal={"no": (False,), "yes": (True,), "both": (False, True)}[args.causal],
@@ -103,7 +104,8 @@ def bench(args: argparse.Namespace) -> int:
             table.add_row(*row)
         console.print(table)
 
-    shape = f"B={config.batch}, H={config.heads}, E={config.head_dim}"
+    kv = f"/{config.kv_heads}" if config.kv_heads and config.kv_heads != config.heads else ""
+    shape = f"B={config.batch}, H={config.heads}{kv}, E={config.head_dim}"
     title = f"attnperf bench: {config.dtype}, {shape}, {config.threads} threads, {config.device}"
     show(table_rows(report), title)
     show(fit_rows(report), "growth in L")
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--lengths", type=int, nargs="+", help="L = S values (default 256..2048)")
     b.add_argument("--batch", type=int, default=1)
     b.add_argument("--heads", type=int, default=8)
+    b.add_argument("--kv-heads", type=int, help="key/value heads, GQA (default: --heads)")
     b.add_argument("--head-dim", type=int, default=64)
     b.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     b.add_argument("--causal", default="no", choices=["no", "yes", "both"])
@@ -152,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         print(info_table())
         return 0
     if args.command == "bench":
+        if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+            parser.error(f"--kv-heads must divide --heads ({args.heads}), got {args.kv_heads}")
         return bench(args)
     return smoke(args.device)
 

@@ -31,12 +31,20 @@ def numba_leads_on_cpu(inputs: AttentionInputs) -> bool:
       L = S = 2048 / 4096, forward+backward, full:    0.96-1.08x / 0.97-1.09x  (numba, mostly)
       L = S = 2048 / 4096, forward+backward, causal:  0.88-1.05x / 1.00-1.14x  (numba, mostly)
       L = S <= 1024, any:                             0.54-1.17x, mostly < 0.95x (sdpa)
-    Masks, GQA, other dtypes and head dims above 128 were not measured: sdpa stays first.
+    GQA, 8 query / 2 kv heads (two runs, `--heads 8 --kv-heads 2 --lengths 1024 2048 4096`):
+      L = S = 2048 / 4096: forward full 0.96-1.06x / 1.01-1.02x; forward causal 1.06-1.09x /
+      1.04-1.21x; forward+backward full 0.98-1.05x / 1.05-1.16x, causal 1.01-1.02x /
+      1.07-1.15x; numba's backward shares its work out by (batch, kv head), so GQA counts only
+      with at least one such pair per thread.
+    Masks, other dtypes and head dims above 128 were not measured: sdpa stays first.
     """
     return (
         inputs.dtype == torch.float32
         and inputs.attn_mask is None
-        and inputs.q_heads == inputs.kv_heads
+        and (
+            inputs.q_heads == inputs.kv_heads
+            or inputs.batch * inputs.kv_heads >= torch.get_num_threads()
+        )
         and min(inputs.q_len, inputs.kv_len) >= 2048
         and max(inputs.head_dim, inputs.value_dim) <= 128
         and (inputs.is_causal or inputs.needs_grad)

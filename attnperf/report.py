@@ -178,7 +178,8 @@ def markdown(report: dict) -> str:
             f"{report['datetime']} on {info['processor']} ({info['cpu_count']} CPUs, "
             f"{info['threads']} threads), device {info['device']}; versions "
             + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v),
-            f"B={config['batch']}, H={config['heads']}, E={config['head_dim']}, "
+            f"B={config['batch']}, H={config['heads']}, "
+            f"kv heads {config.get('kv_heads') or config['heads']}, E={config['head_dim']}, "
             f"{config['dtype']}, L=S; median of {config['rounds']} rounds after warm-up. "
             "GFLOP/s counts 4·B·H·L·S·E forward (half when causal), x3.5 with backward. "
             "'vs sdpa' is sdpa's median time over the backend's (> 1: faster); spread is "

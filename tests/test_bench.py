@@ -117,3 +117,13 @@ def test_gpu_check_script_runs_end_to_end_under_the_interpreter(tmp_path):
     header, *rows = csv_path.read_text().splitlines()
     assert header.startswith("dtype,head_dim,L,causal,pass,kernel,ms,tflops")
     assert len(rows) == 2 * 2 * 1 * 2 * 2  # dtypes x head dims x lengths x causal x passes
+
+
+def test_a_gqa_sweep_runs_every_backend_that_serves_it():
+    config = BenchConfig(
+        lengths=(32,), heads=4, kv_heads=2, head_dim=16, passes=("forward+backward",),
+        backends=("sdpa", "reference"), rounds=1,
+    )  # fmt: skip
+    points = run_sweep(config)
+    assert [p.status for p in points] == ["ok", "ok"]
+    assert all(p.median_s > 0 for p in points)

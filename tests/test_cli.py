@@ -44,3 +44,10 @@ def test_unknown_command_fails_with_usage(tmp_path):
     result = run(sys.executable, "-m", "attnperf", "frobnicate", cwd=tmp_path)
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
+
+
+def test_bench_refuses_kv_heads_that_do_not_divide_heads(tmp_path):
+    result = run(sys.executable, "-m", "attnperf", "bench", "--heads", "8", "--kv-heads", "3",
+                 cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2
+    assert "--kv-heads must divide --heads (8), got 3" in result.stderr

@@ -96,6 +96,12 @@ def big(length=2048, head_dim=64, requires_grad=False, **shape):
     )
 
 
+def gqa(kv_heads):
+    q = torch.empty(1, 8, 2048, 64, requires_grad=True)
+    k, v = (torch.empty(1, kv_heads, 2048, 64, requires_grad=True) for _ in range(2))
+    return q, k, v
+
+
 @pytest.mark.parametrize(
     "call, numba_first",
     [
@@ -112,11 +118,15 @@ def big(length=2048, head_dim=64, requires_grad=False, **shape):
         pytest.param(
             lambda: (tuple(t.half() for t in big()), {"is_causal": True}), False, id="fp16"
         ),
+        pytest.param(lambda: (gqa(kv_heads=2), {}), True, id="gqa-2-kv-heads-training"),
+        pytest.param(lambda: (gqa(kv_heads=1), {}), False, id="gqa-fewer-kv-heads-than-threads"),
     ],
 )
-def test_cpu_order_follows_the_measured_shape_classes(call, numba_first):
+def test_cpu_order_follows_the_measured_shape_classes(call, numba_first, monkeypatch):
     from attnperf.inputs import prepare
 
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the measured machine's
     tensors, options = call()
-    order = dispatch.priority(prepare(*tensors, **options))
+    gqa = tensors[1].shape[1] != tensors[0].shape[1]
+    order = dispatch.priority(prepare(*tensors, **options, enable_gqa=gqa))
     assert order[:2] == (("numba", "sdpa") if numba_first else ("sdpa", "numba"))
