@@ -232,7 +232,7 @@ def mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal):
 
 @_njit(parallel=True, fastmath=FASTMATH)
 def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, lse, block_m, block_n):
-    """out (B, Hq, L, Ev) and base-e lse (B, Hq, L, fp64) for fp32 C-contiguous q, k, v."""
+    """out (B, Hq, L, Ev) and base-e lse (B, Hq, L, fp64); fp32 q, k, v, unit stride along E."""
     batch, q_heads, q_len, _ = q.shape
     kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
