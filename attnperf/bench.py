@@ -152,7 +152,7 @@ def measure_point(
     config: BenchConfig, backend: str, length: int, causal: bool, pass_: str, memory: bool
 ) -> Measurement:
     """Set up one point in this process: its first call and a warm-up call, then with
-    `memory` its peak extra memory; else it stays ready for `time_rounds`."""
+    `memory` its peak extra memory; else it stays ready for `time_turn`."""
     import attnperf
     from attnperf import dispatch
     from attnperf.inputs import prepare
@@ -228,7 +228,7 @@ def _start_worker(config: BenchConfig, memory: bool) -> ProcessPoolExecutor:
             initializer=_init_worker,
             initargs=(config.threads,),
         )
-        pool.submit(_init_worker, config.threads).result()  # starts it, in this environment
+        pool.submit(os.getpid).result()  # starts the process now, in this environment
     finally:
         for name, value in saved.items():
             if value is None:

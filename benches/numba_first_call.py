@@ -3,8 +3,8 @@
     python benches/numba_first_call.py
 
 Each run is a new Python process whose NUMBA_CACHE_DIR is one temporary folder: the first
-process compiles (cold), the second loads what the first cached (warm). It also checks
-that torch's own SDPA is not slower after numba ran in the same process (thread pools).
+process compiles (cold), the second loads what the first cached (warm). Whether torch's
+own ops slow down after numba ran is benches/torch_after_numba.py's question.
 """
 
 import os
@@ -13,19 +13,9 @@ import sys
 import tempfile
 
 PROBE = r"""
-import time, statistics, torch
+import time, torch
 import attnperf
 
-def sdpa_ms():
-    q = torch.randn(1, 8, 1024, 64)
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        attnperf.attention(q, q, q, backend="sdpa")
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]) * 1e3
-
-before = sdpa_ms()
 q, k, v = (torch.randn(1, 8, 256, 64, requires_grad=True) for _ in range(3))
 start = time.perf_counter()
 attnperf.attention(q, k, v, backend="numba")
@@ -33,8 +23,7 @@ forward = time.perf_counter() - start
 start = time.perf_counter()
 attnperf.attention(q, k, v, backend="numba").sum().backward()
 backward = time.perf_counter() - start
-after = sdpa_ms()
-print(f"{forward:.2f} {backward:.2f} {before:.2f} {after:.2f}")
+print(f"{forward:.2f} {backward:.2f}")
 """
 
 
@@ -45,11 +34,10 @@ def main() -> int:
             out = subprocess.run(
                 [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True
             ).stdout.split()
-            forward, backward, before, after = (float(x) for x in out)
+            forward, backward = (float(x) for x in out)
             print(
-                f"{label}: first forward call {forward:.2f} s, then first forward+backward "
-                f"{backward:.2f} s; torch sdpa L=1024 before numba {before:.1f} ms, "
-                f"after {after:.1f} ms"
+                f"{label}: first forward call {forward:.2f} s, "
+                f"then first forward+backward {backward:.2f} s"
             )
     return 0
 

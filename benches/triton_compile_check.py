@@ -82,7 +82,7 @@ def install_compile_only(arch: int, compiled: list, every_config: bool) -> None:
 
 
 def calls(quick: bool):
-    """(label, prepare() arguments, with backward) for every call to compile."""
+    """(label, prepare() arguments) for every call to compile, forward and backward."""
     gen = torch.Generator().manual_seed(0)
 
     def qkv(dtype, head_dim, length=256, kv_length=256):
@@ -95,15 +95,15 @@ def calls(quick: bool):
     head_dims = (64,) if quick else (64, 128, 256)
     for name, dtype in dtypes.items():
         for head_dim in head_dims:
-            yield f"{name} E={head_dim}", dict(zip("qkv", qkv(dtype, head_dim), strict=True)), True
+            yield f"{name} E={head_dim}", dict(zip("qkv", qkv(dtype, head_dim), strict=True))
     if quick:
         return
     q, k, v = qkv(torch.float16, 64, 200, 300)  # ragged: EVEN_N false
     bool_mask = torch.rand(200, 300, generator=gen) > 0.5
     float_mask = torch.randn(200, 300, generator=gen).to(torch.float16).requires_grad_()
-    yield "fp16 ragged causal", {"q": q, "k": k, "v": v, "is_causal": True}, True
-    yield "fp16 ragged bool mask", {"q": q, "k": k, "v": v, "attn_mask": bool_mask}, True
-    yield "fp16 ragged float mask", {"q": q, "k": k, "v": v, "attn_mask": float_mask}, True
+    yield "fp16 ragged causal", {"q": q, "k": k, "v": v, "is_causal": True}
+    yield "fp16 ragged bool mask", {"q": q, "k": k, "v": v, "attn_mask": bool_mask}
+    yield "fp16 ragged float mask", {"q": q, "k": k, "v": v, "attn_mask": float_mask}
 
 
 def main() -> int:
@@ -119,14 +119,13 @@ def main() -> int:
 
     limit = SHARED_LIMIT[args.arch]
     failures = 0
-    for label, call, backward in calls(args.quick):
+    for label, call in calls(args.quick):
         inputs = prepare(call["q"], call["k"], call["v"], call.get("attn_mask"),
                          is_causal=call.get("is_causal", False))  # fmt: skip
         before = len(compiled)
         try:
             out, lse2 = triton_gpu.triton_attention_forward(inputs)
-            if backward:
-                triton_gpu.triton_attention_backward(inputs, out, lse2, torch.ones_like(out))
+            triton_gpu.triton_attention_backward(inputs, out, lse2, torch.ones_like(out))
         except Exception as error:  # a compiler error: report it, go on with the next call
             failures += 1
             print(f"FAILED {label}: {type(error).__name__}: {str(error)[:2000]}")

@@ -148,7 +148,8 @@ MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
 @_njit(fastmath=FASTMATH)
 def gemm(a, b, c, alpha, beta, trans_a, trans_b):
-    """c = alpha * op(a) @ op(b) + beta * c for 2-D float32 views with unit column stride.
+    """c = alpha * op(a) @ op(b) + beta * c for 2-D float32 views with unit column stride,
+    on the calling thread only (inside prange loops: no oversubscription).
 
     A row-major c is the column-major c.T = op(b).T @ op(a).T: BLAS gets b before a.
     """
@@ -161,10 +162,12 @@ def gemm(a, b, c, alpha, beta, trans_a, trans_b):
             for col in range(cols):
                 c[r, col] = beta * c[r, col] if beta != 0 else 0.0
         return
+    blas_threads = set_blas_threads_local(1)  # ~20 ns, against ~30 us for a tile's product
     fortran_sgemm(
         trans_b, trans_a, cols, rows, inner, np.float32(alpha), b, b.strides[0] // 4, a,
         a.strides[0] // 4, np.float32(beta), c, c.strides[0] // 4,
     )  # fmt: skip
+    set_blas_threads_local(blas_threads)
 
 
 @_njit(fastmath=FASTMATH)
@@ -214,7 +217,8 @@ def split_index(item, heads, tiles):
 
 @_njit(fastmath=FASTMATH)
 def mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal):
-    """Apply the mask (times log2(e): scores are in base 2) and causality to one tile."""
+    """Apply the mask (times log2(e): scores are in base 2) and causality to one tile;
+    a causal tile left of the diagonal is left as it is."""
     if mask_kind == MASK_FLOAT:
         for r in range(rows):
             for c in range(cols):
@@ -224,7 +228,7 @@ def mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal):
             for c in range(cols):
                 if not mask[b, h, i0 + r, j0 + c]:
                     s[r, c] += -np.inf  # like SDPA: a NaN score stays NaN
-    if causal:  # top-left aligned: row i sees keys 0..i
+    if causal and j0 + cols > i0 + 1:  # top-left aligned: row i sees keys 0..i
         for r in range(rows):
             for c in range(max(i0 + r + 1 - j0, 0), cols):
                 s[r, c] = -np.inf
@@ -239,7 +243,6 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, lse, bl
     q_tiles = (q_len + block_m - 1) // block_m
     scale2 = scale * LOG2E
     for item in prange(batch * q_heads * q_tiles):
-        blas_threads = set_blas_threads_local(1)  # one thread per tile: no oversubscription
         b, h, tile = split_index(item, q_heads, q_tiles)
         hk = h // group
         i0 = tile * block_m
@@ -254,8 +257,7 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, lse, bl
         for j0 in range(0, kv_end, block_n):
             cols = min(block_n, kv_end - j0)
             gemm(q_tile, k[b, hk, j0 : j0 + cols], s[:, :cols], scale2, 0.0, False, True)
-            if mask_kind != MASK_NONE or (causal and j0 + cols > i0 + 1):
-                mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal)
+            mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal)
             for r in range(rows):
                 new_max = row_maximum(s[r], cols, row_max[r])
                 # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
@@ -275,7 +277,6 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, lse, bl
                 lse[b, h, i0 + r] = (shift[r] + math.log2(row_sum[r])) * LN2
             else:
                 lse[b, h, i0 + r] = np.inf
-        set_blas_threads_local(blas_threads)
 
 
 @_njit(fastmath=FASTMATH)
@@ -287,8 +288,7 @@ def probabilities(q_tile, k_tile, p, mask, mask_kind, b, h, i0, j0, causal, scal
     """
     rows, cols = q_tile.shape[0], k_tile.shape[0]
     gemm(q_tile, k_tile, p[:rows, :cols], scale2, 0.0, False, True)
-    if mask_kind != MASK_NONE or (causal and j0 + cols > i0 + 1):
-        mask_scores(p, mask, mask_kind, b, h, i0, j0, rows, cols, causal)
+    mask_scores(p, mask, mask_kind, b, h, i0, j0, rows, cols, causal)
     for r in range(rows):
         exp2_shifted(p[r], cols, lse2[r])
 
@@ -315,7 +315,6 @@ def attention_backward_dq(
     scale2 = scale * LOG2E
     want_dmask = dmask.shape[2] == q_len and dmask.shape[3] == kv_len
     for item in prange(batch * q_heads * q_tiles):
-        blas_threads = set_blas_threads_local(1)
         b, h, tile = split_index(item, q_heads, q_tiles)
         hk = h // group
         i0 = tile * block_m
@@ -338,7 +337,6 @@ def attention_backward_dq(
             if want_dmask:
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
             gemm(ds, k_tile, dq[b, h, i0 : i0 + rows], scale, 1.0, False, False)
-        set_blas_threads_local(blas_threads)
 
 
 @_njit(fastmath=FASTMATH)
@@ -386,7 +384,6 @@ def attention_backward_dkdv(
     kv_tiles = (kv_len + block_n - 1) // block_n
     unused = np.zeros((1, 1, 1, 1), np.float32)
     for item in prange(batch * kv_heads * kv_tiles):
-        blas_threads = set_blas_threads_local(1)
         b, hk, tile = split_index(item, kv_heads, kv_tiles)
         j0 = tile * block_n
         cols = min(block_n, kv_len - j0)
@@ -396,7 +393,6 @@ def attention_backward_dkdv(
             q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, unused, dk, dv,
             unused, b, hk, j0, cols, block_m, p_buffer, ds_buffer, False,
         )  # fmt: skip
-        set_blas_threads_local(blas_threads)
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
@@ -411,7 +407,6 @@ def attention_backward_fused(
     """
     batch, kv_heads, kv_len = k.shape[0], k.shape[1], k.shape[2]
     for item in prange(batch * kv_heads):
-        blas_threads = set_blas_threads_local(1)
         b, hk, _ = split_index(item, kv_heads, 1)
         p_buffer = np.empty((block_m, block_n), np.float32)
         ds_buffer = np.empty((block_m, block_n), np.float32)
@@ -421,7 +416,6 @@ def attention_backward_fused(
                 dmask, b, hk, j0, min(block_n, kv_len - j0), block_m, p_buffer, ds_buffer,
                 True,
             )  # fmt: skip
-        set_blas_threads_local(blas_threads)
 
 
 def _as_numpy(tensor: Tensor) -> np.ndarray:
@@ -461,8 +455,11 @@ def _torch_mkl() -> tuple[int, int] | None:
     return None
 
 
-def _keep_blas_threads(count):
-    return 0  # scipy's OpenBLAS is pinned from outside (threadpoolctl) instead
+@functools.cache
+def _keep_blas_threads():
+    """A C callback that leaves BLAS's threads alone: scipy's OpenBLAS is pinned from
+    outside (threadpoolctl). Cached: the kernels call its code for the process's lifetime."""
+    return numba.cfunc(types.int32(types.int32))(lambda count: np.int32(0))
 
 
 def _scipy_openblas() -> tuple[int, int]:
@@ -476,15 +473,15 @@ def _scipy_openblas() -> tuple[int, int]:
     api.PyCapsule_GetPointer.restype = ctypes.c_void_p
     api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
     sgemm = api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))
-    return sgemm, numba.cfunc(types.int32(types.int32))(_keep_blas_threads).address
+    return sgemm, _keep_blas_threads().address
 
 
 @functools.cache
 def setup() -> tuple[str, object]:
     """Bind the kernels' BLAS and pick the threading layer, once, at the first call.
 
-    Returns the BLAS's name and what pins it to one thread from outside (None where the
-    kernels pin it themselves, per thread). torch's MKL serves where torch exports it, else
+    Returns the BLAS's name and what pins it to one thread from outside (None where gemm
+    pins it itself, per calling thread). torch's MKL serves where torch exports it, else
     scipy's OpenBLAS; ATTNPERF_NUMBA_BLAS=torch|scipy insists on one. Numba's "workqueue"
     layer is its own pthread pool: no second OpenMP runtime to fight torch's OpenMP pool. A
     layer chosen by the user (NUMBA_THREADING_LAYER) is respected.

@@ -146,6 +146,25 @@ PEER_DEVIATIONS = {
 }
 
 
+DIFFERENTIABLE = ("query", "key", "value", "attn_mask")
+
+
+def output_and_gradients(fn, args, grad_out, cast=None):
+    """fn's output and d(sum(out * grad_out))/d(each differentiable input), optionally cast
+    first."""
+    leaves = {}
+    call = dict(args)
+    for name in DIFFERENTIABLE:
+        tensor = args.get(name)
+        if tensor is None or not tensor.is_floating_point():
+            continue
+        leaf = (tensor if cast is None else tensor.to(cast)).detach().requires_grad_()
+        leaves[name] = call[name] = leaf
+    out = fn(**call)
+    out.backward(grad_out.to(out.dtype))
+    return out, {name: leaf.grad for name, leaf in leaves.items()}
+
+
 def backend_params(cases=CASES, dtypes=GRID_DTYPES, *, need_backward=False):
     """pytest params (backend, case, dtype) for every combination a backend declares."""
     which_pass = "backward" if need_backward else "forward"

@@ -2,27 +2,10 @@
 
 import pytest
 import torch
-from cases import backend_params, device_for
+from cases import backend_params, device_for, output_and_gradients
 
 import attnperf
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
-
-DIFFERENTIABLE = ("query", "key", "value", "attn_mask")
-
-
-def gradients(fn, args, grad_out, cast=None):
-    """d(sum(out * grad_out))/d(each differentiable input), optionally cast first."""
-    leaves = {}
-    call = dict(args)
-    for name in DIFFERENTIABLE:
-        tensor = args.get(name)
-        if tensor is None or not tensor.is_floating_point():
-            continue
-        leaf = (tensor if cast is None else tensor.to(cast)).detach().requires_grad_()
-        leaves[name] = call[name] = leaf
-    out = fn(**call)
-    out.backward(grad_out.to(out.dtype))
-    return {name: leaf.grad for name, leaf in leaves.items()}
 
 
 @pytest.mark.parametrize("backend, case, dtype", backend_params(need_backward=True))
@@ -35,9 +18,9 @@ def test_gradients_agree_with_float64_reference(backend, case, dtype):
     def run(**call):
         return attnperf.attention(**call, backend=backend.name)
 
-    actual = gradients(run, args, grad_out)
-    exact = gradients(float64_reference, args, grad_out, cast=torch.float64)
-    baseline = gradients(same_precision_reference, args, grad_out)
+    _, actual = output_and_gradients(run, args, grad_out)
+    _, exact = output_and_gradients(float64_reference, args, grad_out, cast=torch.float64)
+    _, baseline = output_and_gradients(same_precision_reference, args, grad_out)
     assert actual.keys() == baseline.keys()
     for name in actual:
         assert actual[name] is not None, f"no gradient reached {name}"

@@ -3,11 +3,12 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from cases import CASES
+from cases import CASES, output_and_gradients
 
 import attnperf
 from attnperf import dispatch
@@ -26,19 +27,6 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(numba_cpu, "BLOCK_N", 16)
 
 
-def output_and_gradients(fn, args, grad_out, dtype):
-    """fn's output and the gradients of sum(out * grad_out), every input cast to `dtype`."""
-    call = dict(args)
-    leaves = {}
-    for name in ("query", "key", "value", "attn_mask"):
-        tensor = args.get(name)
-        if tensor is not None and tensor.is_floating_point():
-            leaves[name] = call[name] = tensor.detach().to(dtype).requires_grad_()
-    out = fn(**call)
-    out.backward(grad_out.to(dtype))
-    return {"output": out, **{name: leaf.grad for name, leaf in leaves.items()}}
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_many_tiles_agree_with_float64_reference(case, small_tiles):
     """Online rescaling across key tiles, diagonal and partial tiles, forward and backward."""
@@ -50,11 +38,12 @@ def test_many_tiles_agree_with_float64_reference(case, small_tiles):
     def numba(**call):
         return attnperf.attention(**call, backend="numba")
 
-    actual = output_and_gradients(numba, args, grad_out, torch.float32)
-    exact = output_and_gradients(float64_reference, args, grad_out, torch.float64)
-    baseline = output_and_gradients(same_precision_reference, args, grad_out, torch.float32)
+    actual_out, actual = output_and_gradients(numba, args, grad_out)
+    exact_out, exact = output_and_gradients(float64_reference, args, grad_out, torch.float64)
+    baseline_out, baseline = output_and_gradients(same_precision_reference, args, grad_out)
+    assert_agrees(actual_out, exact_out, baseline_out, what="output")
     for name in actual:
-        assert_agrees(actual[name], exact[name], baseline[name], what=name)
+        assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -102,35 +91,38 @@ def test_blas_choice_names_the_variable(monkeypatch):
 
 OPENBLAS_CHECK = """
 import torch
+from cases import output_and_gradients
 from attnperf import attention
 from attnperf.kernels import numba_cpu
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
 gen = torch.Generator().manual_seed(0)
-qkv = [torch.randn(1, 2, 300, 48, generator=gen) for _ in range(3)]
+args = {name: torch.randn(1, 2, 300, 48, generator=gen) for name in ("query", "key", "value")}
 grad_out = torch.randn(1, 2, 300, 48, generator=gen)
 
-def output_and_grads(fn, dtype, causal):
-    leaves = [t.to(dtype).detach().clone().requires_grad_() for t in qkv]
-    out = fn(*leaves, is_causal=causal)
-    out.backward(grad_out.to(dtype))
-    return [out] + [leaf.grad for leaf in leaves]
-
-def numba(q, k, v, is_causal):
-    return attention(q, k, v, is_causal=is_causal, backend="numba")
-
 for causal in (False, True):
-    actual = output_and_grads(numba, torch.float32, causal)
-    exact = output_and_grads(float64_reference, torch.float64, causal)
-    baseline = output_and_grads(same_precision_reference, torch.float32, causal)
-    for what, a, e, b in zip(("out", "dq", "dk", "dv"), actual, exact, baseline):
-        assert_agrees(a, e, b, what=what)
+    def numba(**call):
+        return attention(**call, is_causal=causal, backend="numba")
+
+    def exact(**call):
+        return float64_reference(**call, is_causal=causal)
+
+    def baseline(**call):
+        return same_precision_reference(**call, is_causal=causal)
+
+    actual_out, actual = output_and_gradients(numba, args, grad_out)
+    exact_out, exact = output_and_gradients(exact, args, grad_out, torch.float64)
+    baseline_out, baseline = output_and_gradients(baseline, args, grad_out)
+    assert_agrees(actual_out, exact_out, baseline_out, what="out")
+    for name in actual:
+        assert_agrees(actual[name], exact[name], baseline[name], what="d" + name)
 print(numba_cpu.setup()[0])
 """
 
 
 def test_scipy_openblas_serves_when_asked():
-    env = {**os.environ, "ATTNPERF_NUMBA_BLAS": "scipy"}
+    tests = str(Path(__file__).parent)  # for `cases`
+    env = {**os.environ, "ATTNPERF_NUMBA_BLAS": "scipy", "PYTHONPATH": tests}
     result = subprocess.run(
         [sys.executable, "-c", OPENBLAS_CHECK], capture_output=True, text=True, env=env,
         timeout=600, check=False,
