@@ -31,11 +31,27 @@ def attention(
     one custom op (`torch.ops.attnperf.attention`), traced without graph breaks.
     """
     if torch.compiler.is_compiling():
-        return ops.attention_op(
+        return ops.attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend
         )
-    inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return dispatch.attend(inputs, backend)
+    autocast = _autocast_dtype(query)
+    if autocast is None:
+        inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return dispatch.attend(inputs, backend)
+    # As SDPA under autocast: q, k, v in autocast's dtype; the kernels then run as asked.
+    query, key, value = (t.to(autocast) if t.is_floating_point() else t
+                         for t in (query, key, value))  # fmt: skip
+    with torch.autocast(query.device.type, enabled=False):
+        inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return dispatch.attend(inputs, backend)
+
+
+def _autocast_dtype(query: object) -> torch.dtype | None:
+    """The dtype autocast gives attention on query's device, or None outside autocast."""
+    if not isinstance(query, Tensor) or query.device.type not in ("cpu", "cuda"):
+        return None
+    device = query.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def choose_backend(

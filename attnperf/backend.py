@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -102,24 +103,77 @@ class Backend:
         }
 
 
-class FusedAttention(torch.autograd.Function):
-    """Autograd over a fused kernel's two launchers; saves (out, lse), never L x S.
+class FusedBackend(Backend):
+    """A fused kernel served through FusedAttention: subclasses set `forward` and
+    `backward`, its two launchers (staticmethods)."""
 
+    forward: Callable[[AttentionInputs], tuple[Tensor, Tensor]]
+    backward: Callable[..., tuple[Tensor | None, ...]]
+
+    def run(self, inputs: AttentionInputs) -> Tensor:
+        launchers = (self.forward, self.backward)
+        return FusedAttention.apply(
+            launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask
+        )[0]
+
+
+class FusedAttention(torch.autograd.Function):
+    """Autograd over a fused kernel's two launchers: (out, lse) from
     apply((forward, backward), inputs, query, key, value, attn_mask), where
     forward(inputs) -> (out, lse) and backward(inputs, out, lse, grad_out) ->
-    (dq, dk, dv, dmask or None). The tensors are passed so autograd sees them.
+    (dq, dk, dv, dmask or None).
+
+    Saves the inputs and (out, lse), never L x S, through save_for_backward, so that an
+    in-place edit after the forward raises in backward as it does for SDPA. Double backward
+    raises a clear error when reached; torch.vmap folds its dim into the batch.
     """
 
     @staticmethod
-    def forward(ctx, launchers, inputs: AttentionInputs, query, key, value, attn_mask):
-        forward, ctx.launch_backward = launchers
-        out, lse = forward(inputs)
-        ctx.inputs = inputs
-        ctx.save_for_backward(out, lse)
-        return out
+    def forward(launchers, inputs: AttentionInputs, query, key, value, attn_mask):
+        return launchers[0](inputs)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        out, lse = ctx.saved_tensors
-        dq, dk, dv, dmask = ctx.launch_backward(ctx.inputs, out, lse, grad_out)
-        return None, None, dq, dk, dv, dmask
+    def setup_context(ctx, inputs, output):
+        launchers, call, query, key, value, attn_mask = inputs
+        ctx.launch_backward, ctx.call = launchers[1], call
+        ctx.save_for_backward(query, key, value, attn_mask, *output)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        query, key, value, attn_mask, out, lse = ctx.saved_tensors  # checks in-place edits
+        inputs = replace(ctx.call, query=query, key=key, value=value, attn_mask=attn_mask)
+        with torch.no_grad():
+            grads = ctx.launch_backward(inputs, out, lse, grad_out)
+        saved = (grad_out, query, key, value, attn_mask)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in saved):
+            grads = _refuse_double_backward(grads)
+        return None, None, *grads
+
+    @staticmethod
+    def vmap(info, in_dims, launchers, inputs: AttentionInputs, query, key, value, attn_mask):
+        size, batch = info.batch_size, inputs.batch
+
+        def fold(tensor, dim):  # (size, B, ...) -> (size * B, ...)
+            if tensor is None:
+                return None
+            tensor = tensor.expand(size, *tensor.shape) if dim is None else tensor.movedim(dim, 0)
+            return tensor.reshape(size * batch, *tensor.shape[2:])
+
+        tensors = (query, key, value, attn_mask)
+        q, k, v, m = (fold(t, d) for t, d in zip(tensors, in_dims[2:], strict=True))
+        folded = replace(inputs, query=q, key=k, value=v, attn_mask=m)
+        out, lse = FusedAttention.apply(launchers, folded, q, k, v, m)
+        return (out.unflatten(0, (size, batch)), lse.unflatten(0, (size, batch))), (0, 0)
+
+
+def _refuse_double_backward(grads):
+    """The gradients, wired so that differentiating them again raises a clear error."""
+    error = torch._C._functions.DelayedError(
+        b"attnperf's fused kernels have no double backward (second derivatives); "
+        b"use backend='reference' or 'sdpa' for them",
+        sum(g is not None for g in grads),
+    )
+    present = [g.detach().requires_grad_() for g in grads if g is not None]
+    wired = iter(error(*present) if len(present) > 1 else (error(*present),))
+    return tuple(None if g is None else next(wired) for g in grads)

@@ -8,6 +8,7 @@ import sys
 import torch
 
 import attnperf
+from attnperf import dispatch
 
 
 def info_table() -> str:
@@ -54,16 +55,14 @@ def smoke(device: str) -> int:
 QUICK_LENGTHS = (256, 512, 1024)
 
 
-def bench(args: argparse.Namespace) -> int:
+def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     """Sweep, print the table and the growth fits, write the report folder."""
-    import json
     from pathlib import Path
 
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
-    from attnperf import dispatch
     from attnperf.bench import PASSES, BenchConfig, run_sweep
     from attnperf.report import (
         build_report,
@@ -84,7 +83,7 @@ def bench(args: argparse.Namespace) -> int:
         passes=PASSES if args.pass_ == "both" else (args.pass_,),
         backends=tuple(args.backends or dispatch.registry()),
         device=args.device,
-        rounds=args.rounds or (7 if args.quick else 5),
+        rounds=args.rounds if args.rounds is not None else (7 if args.quick else 5),
         threads=args.threads or torch.get_num_threads(),
     )
     console = Console(width=None if sys.stdout.isatty() else 160)  # CI logs: no wrapping
@@ -111,17 +110,75 @@ def bench(args: argparse.Namespace) -> int:
     show(fit_rows(report), "growth in L")
     written = write_report(report, Path(args.out))
     console.print("report: " + ", ".join(str(path) for path in written), highlight=False)
-    if args.baseline:
-        baseline_path = Path(args.baseline)
-        if not baseline_path.exists():
-            console.print(f"baseline {baseline_path} not found: nothing compared")
-        else:
-            warnings = compare_to_baseline(report, json.loads(baseline_path.read_text()))
-            for warning in warnings:
-                console.print(f"WARNING {warning}", style="yellow", highlight=False)
-            if not warnings:
-                console.print(f"no regression against {baseline_path} beyond measured noise")
+    if baseline is not None:
+        warnings = compare_to_baseline(report, baseline)
+        for warning in warnings:
+            console.print(f"WARNING {warning}", style="yellow", highlight=False)
+        if not warnings:
+            console.print(f"no regression against {args.baseline} beyond measured noise")
     return 0
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1, with a one-line message otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """argparse type: "cpu", or "cuda[:i]" where torch sees a CUDA device."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:index], got {text!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError("cuda: no CUDA GPU is visible to torch here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: torch sees {torch.cuda.device_count()}")
+    elif device.type != "cpu":
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:index], got {text!r}")
+    return text
+
+
+def check_output_folder(parser: argparse.ArgumentParser, out: str) -> None:
+    """Fail before the sweep, not after it, when the report cannot be written."""
+    from pathlib import Path
+
+    folder = Path(out)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".attnperf-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        parser.error(f"--out {out}: cannot write a report there ({error.strerror or error})")
+
+
+def load_baseline(parser: argparse.ArgumentParser, path: str) -> dict:
+    """A previous report.json, checked for the layout compare_to_baseline reads."""
+    import json
+    from pathlib import Path
+
+    try:
+        baseline = json.loads(Path(path).read_text())
+        for entry in (b["extra_info"] for b in baseline["benchmarks"]):
+            missing = {"backend", "length", "causal", "pass", "status"} - entry.keys()
+            if missing:
+                raise KeyError(f"a benchmark without {', '.join(sorted(missing))}")
+    except OSError as error:
+        parser.error(f"--baseline {path}: cannot read it ({error.strerror or error})")
+    except (ValueError, KeyError, TypeError) as error:
+        parser.error(
+            f"--baseline {path}: not an attnperf bench report.json ({type(error).__name__}: "
+            f"{error})"
+        )
+    return baseline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,24 +186,27 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="print every backend's capabilities and availability")
     smoke_parser = commands.add_parser("smoke", help="one small call on every available backend")
-    smoke_parser.add_argument("--device", default="cpu")
+    smoke_parser.add_argument("--device", type=device_name, default="cpu")
     b = commands.add_parser(
         "bench", help="time and memory vs sequence length, every backend against sdpa"
     )
     b.add_argument("--quick", action="store_true", help="L in 256..1024, 7 rounds (for CI)")
-    b.add_argument("--lengths", type=int, nargs="+", help="L = S values (default 256..2048)")
-    b.add_argument("--batch", type=int, default=1)
-    b.add_argument("--heads", type=int, default=8)
-    b.add_argument("--kv-heads", type=int, help="key/value heads, GQA (default: --heads)")
-    b.add_argument("--head-dim", type=int, default=64)
+    b.add_argument("--lengths", type=positive_int, nargs="+",
+                   help="L = S values (default 256..2048)")  # fmt: skip
+    b.add_argument("--batch", type=positive_int, default=1)
+    b.add_argument("--heads", type=positive_int, default=8)
+    b.add_argument("--kv-heads", type=positive_int, help="key/value heads, GQA (default: --heads)")
+    b.add_argument("--head-dim", type=positive_int, default=64)
     b.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     b.add_argument("--causal", default="no", choices=["no", "yes", "both"])
     b.add_argument("--pass", dest="pass_", default="both",
                    choices=["forward", "forward+backward", "both"])  # fmt: skip
-    b.add_argument("--backends", nargs="+", help="default: every registered backend")
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--rounds", type=int, help="timed rounds per point (default 5, quick 7)")
-    b.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    b.add_argument("--backends", nargs="+", choices=list(dispatch.registry()),
+                   help="default: every registered backend")  # fmt: skip
+    b.add_argument("--device", type=device_name, default="cpu")
+    b.add_argument("--rounds", type=positive_int,
+                   help="timed rounds per point (default 5, quick 7)")  # fmt: skip
+    b.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     b.add_argument("--out", default="bench-report", help="report folder")
     b.add_argument("--baseline", help="a report.json to compare with (warns, never fails)")
     args = parser.parse_args(argv)
@@ -155,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         print(info_table())
         return 0
     if args.command == "bench":
-        if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+        if args.kv_heads is not None and args.heads % args.kv_heads:
             parser.error(f"--kv-heads must divide --heads ({args.heads}), got {args.kv_heads}")
-        return bench(args)
+        baseline = load_baseline(parser, args.baseline) if args.baseline else None
+        check_output_folder(parser, args.out)
+        return bench(args, baseline)
     return smoke(args.device)
 
 

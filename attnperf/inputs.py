@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
+import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -100,6 +103,12 @@ def prepare(
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.is_nested or tensor.layout != torch.strided:
+            kind = "a nested (jagged) tensor" if tensor.is_nested else f"layout {tensor.layout}"
+            raise TypeError(
+                f"{name} must be a dense (strided) tensor, got {kind}; pad the sequences "
+                "and pass a padding mask instead"
+            )
     assert isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
@@ -116,16 +125,20 @@ def prepare(
             "query, key and value must have the same number of dims, at least 2 "
             f"(..., L, E); got {query.dim()}, {key.dim()} and {value.dim()}"
         )
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    is_causal = _flag("is_causal", is_causal)
+    enable_gqa = _flag("enable_gqa", enable_gqa)
+    dropout_p = _real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    if scale is not None:
+        scale = _real("scale", scale, "a float or None")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+    if _is_causal_bias(attn_mask):
+        # torch's causal_upper_left / causal_lower_right objects, as SDPA takes them.
+        if is_causal:
+            raise ValueError("attn_mask (a CausalBias) and is_causal=True cannot be given together")
+        attn_mask, is_causal = _causal_bias(attn_mask, query, key)
 
     # Heads are dim -3 (absent for 2-D inputs); every dim before them is batch.
     head_axis = () if rank == 2 else (rank - 3,)
@@ -179,6 +192,45 @@ def prepare(
         enable_gqa=enable_gqa,
         out_shape=(*query.shape[:-1], value.shape[-1]),
     )
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _real(name: str, value: object, expected: str = "a float") -> float:
+    """A Python or numpy real number as a float (bools are refused, as SDPA does)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    return float(value)
+
+
+def _is_causal_bias(mask: object) -> bool:
+    # Imported only where the caller made one: the module imports triton.
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(mask, bias.CausalBias)
+
+
+def _causal_bias(bias: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor | None, bool]:
+    """(attn_mask, is_causal) for one of torch's CausalBias objects.
+
+    Upper-left (and lower-right when L == S, the same band) is is_causal=True, in-kernel;
+    lower-right with L != S is materialised as a bool (L, S) mask for now.
+    """
+    shape = (bias.seq_len_q, bias.seq_len_kv)
+    if shape != (query.shape[-2], key.shape[-2]):
+        raise ValueError(
+            f"attn_mask is a CausalBias for (L, S) = {shape}, but query and key have "
+            f"(L, S) = {(query.shape[-2], key.shape[-2])}"
+        )
+    upper_left = sys.modules["torch.nn.attention.bias"].CausalVariant.UPPER_LEFT
+    if bias.variant == upper_left or shape[0] == shape[1]:
+        return None, True
+    rows = torch.arange(shape[0], device=query.device)[:, None]
+    cols = torch.arange(shape[1], device=query.device)[None, :]
+    return cols <= rows + (shape[1] - shape[0]), False
 
 
 def _default_scale(head_dim: int) -> float:

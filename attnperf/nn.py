@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import numbers
+
 import torch
 from torch import Tensor, nn
 
 from attnperf.api import attention
+from attnperf.dispatch import registry
 
 
 class SelfAttention(nn.Module):
@@ -37,26 +41,46 @@ class SelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (
+            ("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)
+        ):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
             raise ValueError(f"num_heads ({num_heads}) must divide embed_dim ({embed_dim})")
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = embed_dim // num_heads
+        known = registry()
+        if backend != "auto" and backend not in known:
+            raise ValueError(f"unknown backend {backend!r}; known: auto, {', '.join(known)}")
+        self.num_heads, self.num_kv_heads = int(num_heads), int(num_kv_heads)
+        self.head_dim = int(embed_dim) // self.num_heads
         self.causal, self.dropout, self.backend = causal, dropout, backend
         self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        attn_mask: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
         """x (batch, seq, embed_dim) -> (batch, seq, embed_dim).
 
-        attn_mask: a padding mask (batch, seq), True (or 1) for real tokens, or an SDPA mask
-        broadcastable to (batch, num_heads, seq, seq): bool (True takes part) or float (added).
+        attn_mask: an SDPA mask broadcastable to (batch, num_heads, seq, seq), bool (True
+        takes part) or float (added to the scores); a 2-D one is (seq, seq).
+        key_padding_mask: (batch, seq), as in torch.nn.MultiheadAttention: bool True marks a
+        padding key (left out), or float (added to the scores of that key).
+        Both combine with each other and with `causal`.
         """
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must be a (batch, seq, embed_dim) tensor, got {shape}")
         batch, seq, _ = x.shape
 
         def heads(projected: Tensor, count: int) -> Tensor:
@@ -65,7 +89,7 @@ class SelfAttention(nn.Module):
         q = heads(self.q_proj(x), self.num_heads)
         k = heads(self.k_proj(x), self.num_kv_heads)
         v = heads(self.v_proj(x), self.num_kv_heads)
-        mask, is_causal = self._mask(attn_mask, batch, seq, x.device)
+        mask, is_causal = self._mask(attn_mask, key_padding_mask, batch, seq, q.dtype, x.device)
         out = attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
@@ -73,26 +97,37 @@ class SelfAttention(nn.Module):
         )  # fmt: skip
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def _mask(self, attn_mask, batch, seq, device) -> tuple[Tensor | None, bool]:
+    def _mask(self, attn_mask, key_padding_mask, batch, seq, dtype, device):
         """(SDPA mask or None, is_causal): SDPA takes either a mask or is_causal, not both."""
-        if attn_mask is None:
-            return None, self.causal
-        if attn_mask.dim() == 2:
-            if tuple(attn_mask.shape) != (batch, seq):
+        for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+            if mask is not None and not isinstance(mask, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+        masks = []  # (kind, tensor): bool means "takes part", float is added
+        if attn_mask is not None:
+            if attn_mask.dim() not in (2, 4):
                 raise ValueError(
-                    f"a 2-D attn_mask is a padding mask of shape (batch, seq) = {(batch, seq)}, "
-                    f"got {tuple(attn_mask.shape)}"
+                    "attn_mask must be (seq, seq) or 4-D broadcastable to (batch, heads, seq, "
+                    f"seq), got shape {tuple(attn_mask.shape)}"
                 )
-            attn_mask = attn_mask.bool()[:, None, None, :]  # keys of padding are left out
-        elif attn_mask.dim() != 4:
-            raise ValueError(
-                "attn_mask must be (batch, seq) padding or 4-D broadcastable to "
-                f"(batch, heads, seq, seq), got shape {tuple(attn_mask.shape)}"
-            )
-        if self.causal:
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-            if attn_mask.dtype == torch.bool:
-                attn_mask = attn_mask & causal
-            else:
-                attn_mask = attn_mask.masked_fill(~causal, float("-inf"))
-        return attn_mask, False
+            masks.append(attn_mask)
+        if key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (batch, seq):
+                raise ValueError(
+                    f"key_padding_mask must be (batch, seq) = {(batch, seq)}, "
+                    f"got {tuple(key_padding_mask.shape)}"
+                )
+            padding = key_padding_mask[:, None, None, :]
+            masks.append(~padding if padding.dtype == torch.bool else padding)
+        if self.causal and masks:
+            masks.append(torch.ones(seq, seq, dtype=torch.bool, device=device).tril())
+        if not masks:
+            return None, self.causal
+        if all(mask.dtype == torch.bool for mask in masks):
+            return functools.reduce(torch.logical_and, masks), False
+        bias = [
+            torch.zeros((), dtype=dtype, device=device).masked_fill(~m, float("-inf"))
+            if m.dtype == torch.bool
+            else m.to(dtype)
+            for m in masks
+        ]
+        return functools.reduce(torch.add, bias), False

@@ -16,6 +16,7 @@ import ctypes
 import functools
 import math
 import os
+import threading
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnperf.backend import Backend, Capabilities, FusedAttention
+from attnperf.backend import Capabilities, FusedBackend
 from attnperf.inputs import AttentionInputs
 
 try:
@@ -137,6 +138,7 @@ BLOCK_M = 128
 BLOCK_N = 512
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
 # Reassociation and contraction let LLVM vectorise the row loops; no "nnan"/"ninf", so
 # NaN and inf propagate as in SDPA.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -180,8 +182,9 @@ def row_maximum(row, cols, start):
 
 
 @_njit(fastmath=FASTMATH)
-def exp2_shifted(row, cols, shift):
-    """row[c] <- 2 ** (row[c] - shift) in place, vectorised (no libm call); returns the sum.
+def exp2_shifted(row, cols, shift, factor):
+    """row[c] <- 2 ** (row[c] - shift) * factor in place, vectorised (no libm call); returns
+    the sum.
 
     2**n is built in a float's exponent field; results below 2**-126 flush to 0 (they
     vanish next to the row's max, which maps to 1). NaN stays NaN.
@@ -201,7 +204,7 @@ def exp2_shifted(row, cols, shift):
         p = p * f + c2
         p = p * f + c1
         p = p * f + c0
-        y = p * float32_from_bits((np.int32(n) + 127) << 23)
+        y = p * float32_from_bits((np.int32(n) + 127) << 23) * factor
         y = y if t == t else t
         row[c] = y
         total += y
@@ -216,13 +219,23 @@ def split_index(item, heads, tiles):
 
 
 @_njit(fastmath=FASTMATH)
+def base2_bias(value):
+    """A float mask's value in base 2: finite stays finite (finfo.min, a common "masked"
+    value, times log2(e) would overflow to -inf and empty a row that SDPA averages)."""
+    scaled = np.float32(value * LOG2E)
+    if np.isfinite(value):
+        return min(max(scaled, -FLOAT32_MAX), FLOAT32_MAX)
+    return scaled
+
+
+@_njit(fastmath=FASTMATH)
 def mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal):
     """Apply the mask (times log2(e): scores are in base 2) and causality to one tile;
     a causal tile left of the diagonal is left as it is."""
     if mask_kind == MASK_FLOAT:
         for r in range(rows):
             for c in range(cols):
-                s[r, c] += mask[b, h, i0 + r, j0 + c] * LOG2E
+                s[r, c] += base2_bias(mask[b, h, i0 + r, j0 + c])
     elif mask_kind == MASK_BOOL:
         for r in range(rows):
             for c in range(cols):
@@ -235,8 +248,9 @@ def mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal):
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
-def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, lse, block_m, block_n):
-    """out (B, Hq, L, Ev) and base-e lse (B, Hq, L, fp64); fp32 q, k, v, unit stride along E."""
+def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, stats, block_m, block_n):
+    """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
+    2 ** (score - max); fp32 q, k, v with unit stride along E."""
     batch, q_heads, q_len, _ = q.shape
     kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
@@ -264,24 +278,24 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, lse, bl
                 shift[r] = new_max if new_max != -np.inf else 0.0
                 alpha = 2.0 ** (row_max[r] - shift[r]) if row_max[r] != -np.inf else 0.0
                 row_max[r] = new_max
-                row_sum[r] = row_sum[r] * alpha + exp2_shifted(s[r], cols, shift[r])
+                row_sum[r] = row_sum[r] * alpha + exp2_shifted(s[r], cols, shift[r], 1.0)
                 for e in range(value_dim):
                     acc[r, e] *= alpha
             gemm(s[:, :cols], v[b, hk, j0 : j0 + cols], acc, 1.0, 1.0, False, False)
         for r in range(rows):
-            # Fully masked rows (sum 0) give 0, and lse = +inf makes their backward p = 0.
+            # Fully masked rows (sum 0) give 0; so does their backward (p = 2**x * 0).
             inv = 1.0 / row_sum[r] if row_sum[r] != 0 else 0.0
             for e in range(value_dim):
                 out[b, h, i0 + r, e] = acc[r, e] * inv
-            if row_sum[r] != 0:
-                lse[b, h, i0 + r] = (shift[r] + math.log2(row_sum[r])) * LN2
-            else:
-                lse[b, h, i0 + r] = np.inf
+            stats[b, h, i0 + r, 0] = shift[r]
+            stats[b, h, i0 + r, 1] = row_sum[r]
 
 
 @_njit(fastmath=FASTMATH)
-def probabilities(q_tile, k_tile, p, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2):
-    """p[:rows, :cols] <- P of one (query tile, key tile), from the saved base-2 logsumexp.
+def probabilities(q_tile, k_tile, p, mask, mask_kind, b, h, i0, j0, causal, scale2, stats):
+    """p[:rows, :cols] <- P of one (query tile, key tile), from the rows' saved max and sum
+    (stats[i0:i0 + rows]): kept apart, they hold the sum where max + log2(sum) would round
+    it away (scores near finfo.min).
 
     `p` is a C-contiguous buffer: its rows are C-contiguous too, which the exp2 loop needs
     to vectorise (a [:rows, :cols] view's rows are not typed so).
@@ -290,7 +304,8 @@ def probabilities(q_tile, k_tile, p, mask, mask_kind, b, h, i0, j0, causal, scal
     gemm(q_tile, k_tile, p[:rows, :cols], scale2, 0.0, False, True)
     mask_scores(p, mask, mask_kind, b, h, i0, j0, rows, cols, causal)
     for r in range(rows):
-        exp2_shifted(p[r], cols, lse2[r])
+        total = stats[i0 + r, 1]
+        exp2_shifted(p[r], cols, stats[i0 + r, 0], 1.0 / total if total != 0 else 0.0)
 
 
 @_njit(fastmath=FASTMATH)
@@ -305,7 +320,7 @@ def score_gradients(p, dp, delta, rows, cols):
 
 @_njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dq(
-    q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dq, dmask, block_m, block_n
+    q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, dq, dmask, block_m, block_n
 ):
     """dq += (and the float mask's gradient dS, when dmask is L x S) per query tile."""
     batch, q_heads, q_len, _ = q.shape
@@ -321,7 +336,6 @@ def attention_backward_dq(
         rows = min(block_m, q_len - i0)
         q_tile = q[b, h, i0 : i0 + rows]
         do_tile = grad_out[b, h, i0 : i0 + rows]
-        lse2 = (lse[b, h, i0 : i0 + rows] * LOG2E).astype(np.float32)
         p_buffer = np.empty((rows, block_n), np.float32)
         ds_buffer = np.empty((rows, block_n), np.float32)
         kv_end = min(kv_len, i0 + rows) if causal else kv_len
@@ -330,7 +344,7 @@ def attention_backward_dq(
             k_tile, v_tile = k[b, hk, j0 : j0 + cols], v[b, hk, j0 : j0 + cols]
             ds = ds_buffer[:, :cols]
             probabilities(
-                q_tile, k_tile, p_buffer, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2
+                q_tile, k_tile, p_buffer, mask, mask_kind, b, h, i0, j0, causal, scale2, stats[b, h]
             )
             gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
             score_gradients(p_buffer, ds_buffer, delta[b, h, i0 : i0 + rows], rows, cols)
@@ -341,7 +355,7 @@ def attention_backward_dq(
 
 @_njit(fastmath=FASTMATH)
 def key_tile_gradients(
-    q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dq, dk, dv, dmask,
+    q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, dq, dk, dv, dmask,
     b, hk, j0, cols, block_m, p_buffer, ds_buffer, with_dq,
 ):  # fmt: skip
     """dk, dv += those of keys j0..j0+cols of head hk, over the query heads of its group.
@@ -360,10 +374,9 @@ def key_tile_gradients(
         for i0 in range(q_start - q_start % block_m, q_len, block_m):
             rows = min(block_m, q_len - i0)
             q_tile, do_tile = q[b, h, i0 : i0 + rows], grad_out[b, h, i0 : i0 + rows]
-            lse2 = (lse[b, h, i0 : i0 + rows] * LOG2E).astype(np.float32)
             p, ds = p_buffer[:rows, :cols], ds_buffer[:rows, :cols]
             probabilities(
-                q_tile, k_tile, p_buffer, mask, mask_kind, b, h, i0, j0, causal, scale2, lse2
+                q_tile, k_tile, p_buffer, mask, mask_kind, b, h, i0, j0, causal, scale2, stats[b, h]
             )
             gemm(p, do_tile, dv_tile, 1.0, 1.0, True, False)
             gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
@@ -377,7 +390,7 @@ def key_tile_gradients(
 
 @_njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dkdv(
-    q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dk, dv, block_m, block_n
+    q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, dk, dv, block_m, block_n
 ):
     """dk, dv += per key tile, summed over every query head of the key/value head's group."""
     batch, kv_heads, kv_len = k.shape[0], k.shape[1], k.shape[2]
@@ -390,14 +403,14 @@ def attention_backward_dkdv(
         p_buffer = np.empty((block_m, cols), np.float32)
         ds_buffer = np.empty((block_m, cols), np.float32)
         key_tile_gradients(
-            q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, unused, dk, dv,
+            q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, unused, dk, dv,
             unused, b, hk, j0, cols, block_m, p_buffer, ds_buffer, False,
         )  # fmt: skip
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_fused(
-    q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dq, dk, dv, dmask,
+    q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, dq, dk, dv, dmask,
     block_m, block_n,
 ):  # fmt: skip
     """dq, dk, dv += (and dS into an L x S dmask) in one pass: P and dP are computed once.
@@ -412,7 +425,7 @@ def attention_backward_fused(
         ds_buffer = np.empty((block_m, block_n), np.float32)
         for j0 in range(0, kv_len, block_n):
             key_tile_gradients(
-                q, k, v, mask, mask_kind, causal, scale, lse, grad_out, delta, dq, dk, dv,
+                q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, dq, dk, dv,
                 dmask, b, hk, j0, min(block_n, kv_len - j0), block_m, p_buffer, ds_buffer,
                 True,
             )  # fmt: skip
@@ -506,13 +519,37 @@ def setup() -> tuple[str, object]:
     return name, controller
 
 
+# Numba's workqueue pool serves one parallel region at a time and aborts the process when
+# two Python threads enter it at once: calls from threads take turns (each uses every
+# thread anyway; the lock costs well under a microsecond against a call's milliseconds).
+_PARALLEL_REGION = threading.Lock()
+
+
 def _run_parallel(kernel, *args) -> None:
     """Run a prange kernel on torch's thread count, BLAS on one thread inside it."""
     _, controller = setup()
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     pinned = controller.limit(limits=1, user_api="blas") if controller else nullcontext()
-    with pinned:
+    with _PARALLEL_REGION, pinned:
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
         kernel(*args)
+
+
+def _has_work(inputs: AttentionInputs) -> bool:
+    """Whether any (query, key) pair exists: zero-size batch, heads or lengths have none."""
+    return inputs.batch * inputs.q_heads * inputs.q_len * inputs.kv_len > 0
+
+
+def _float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, np.ndarray]:
+    """A new fp32 torch tensor and a numpy view of its memory for the kernels to write.
+
+    The view is made from the address, not by Tensor.numpy(), which would pin the storage
+    (a result that `resize_` refuses, unlike SDPA's); the tensor outlives every kernel call.
+    """
+    tensor = (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32)
+    if tensor.numel() == 0:
+        return tensor, np.zeros(shape, np.float32)
+    memory = (ctypes.c_float * tensor.numel()).from_address(tensor.data_ptr())
+    return tensor, np.ctypeslib.as_array(memory).reshape(shape)
 
 
 def _fp32(tensor: Tensor) -> np.ndarray:
@@ -529,19 +566,19 @@ def _fp32(tensor: Tensor) -> np.ndarray:
 
 
 def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
-    """(out (B, Hq, L, Ev) in the inputs' dtype, natural-log lse (B, Hq, L) fp64)."""
+    """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
+    row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
     q, k, v = _fp32(inputs.query), _fp32(inputs.key), _fp32(inputs.value)
     mask, mask_kind = _mask_for_kernel(inputs)
-    out = np.empty((*q.shape[:3], v.shape[3]), np.float32)
-    lse = np.empty(q.shape[:3], np.float64)  # fp64: large logits lose no bits in backward
-    if q.shape[2] and k.shape[2]:
+    no_work = not _has_work(inputs)  # then zeros: no key is seen
+    out, out_array = _float32_array((*q.shape[:3], v.shape[3]), zero=no_work)
+    stats, stats_array = _float32_array((*q.shape[:3], 2), zero=no_work)
+    if not no_work:
         _run_parallel(
             online_softmax_forward, q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale,
-            out, lse, BLOCK_M, BLOCK_N,
+            out_array, stats_array, BLOCK_M, BLOCK_N,
         )  # fmt: skip
-    else:  # no keys: zeros; lse = +inf makes the backward pass zero as well
-        out[:], lse[:] = 0.0, np.inf
-    return torch.from_numpy(out).to(inputs.dtype), torch.from_numpy(lse)
+    return out.to(inputs.dtype), stats
 
 
 def fused_backward_pays(items: int, threads: int) -> bool:
@@ -552,11 +589,15 @@ def fused_backward_pays(items: int, threads: int) -> bool:
     the threads busy. Measured at L = 2048, 8 query heads, 2 threads: 1 kv head, two passes
     1.05-1.17x faster; 2 kv heads, the one pass 1.43-1.58x faster.
     """
-    return items / (threads * math.ceil(items / threads)) >= 0.75
+    return items > 0 and items / (threads * math.ceil(items / threads)) >= 0.75
 
 
 def numba_attention_backward(
-    inputs: AttentionInputs, out: Tensor, lse: Tensor, grad_out: Tensor, fused: bool | None = None
+    inputs: AttentionInputs,
+    out: Tensor,
+    stats: Tensor,
+    grad_out: Tensor,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dmask or None) in the inputs' dtypes, by FlashAttention-2 recomputation.
 
@@ -567,26 +608,28 @@ def numba_attention_backward(
     mask, mask_kind = _mask_for_kernel(inputs)
     do = _fp32(grad_out)
     delta = _as_numpy((grad_out.detach().float() * out.float()).sum(-1).contiguous())
-    lse = _as_numpy(lse.contiguous())
-    dq, dk, dv = (np.zeros(t.shape, np.float32) for t in (q, k, v))
+    stats = _as_numpy(stats.contiguous())
+    (dq, dq_array), (dk, dk_array), (dv, dv_array) = (
+        _float32_array(t.shape, zero=True) for t in (q, k, v)
+    )
     want_dmask = inputs.mask_kind == "float" and inputs.attn_mask.requires_grad
-    dmask = np.zeros(mask.shape if want_dmask else (1, 1, 1, 1), np.float32)
+    dmask, dmask_array = _float32_array(mask.shape if want_dmask else (1, 1, 1, 1), zero=True)
     if fused is None:
         fused = fused_backward_pays(inputs.batch * inputs.kv_heads, torch.get_num_threads())
-    if q.shape[2] and k.shape[2]:
-        common = (q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale, lse, do, delta)
+    if _has_work(inputs):
+        common = (q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale, stats, do, delta)
         blocks = (BLOCK_M, BLOCK_N)
         if fused:
-            _run_parallel(attention_backward_fused, *common, dq, dk, dv, dmask, *blocks)
+            grads = dq_array, dk_array, dv_array, dmask_array
+            _run_parallel(attention_backward_fused, *common, *grads, *blocks)
         else:
-            _run_parallel(attention_backward_dq, *common, dq, dmask, *blocks)
-            _run_parallel(attention_backward_dkdv, *common, dk, dv, *blocks)
-    grads = [torch.from_numpy(g).to(inputs.dtype) for g in (dq, dk, dv)]
-    dmask_t = torch.from_numpy(dmask).to(inputs.attn_mask.dtype) if want_dmask else None
-    return (*grads, dmask_t)
+            _run_parallel(attention_backward_dq, *common, dq_array, dmask_array, *blocks)
+            _run_parallel(attention_backward_dkdv, *common, dk_array, dv_array, *blocks)
+    dmask = dmask.to(inputs.attn_mask.dtype) if want_dmask else None
+    return dq.to(inputs.dtype), dk.to(inputs.dtype), dv.to(inputs.dtype), dmask
 
 
-class NumbaBackend(Backend):
+class NumbaBackend(FusedBackend):
     name = "numba"
     description = "fused tiled online-softmax CPU kernel (Numba, BLAS tiles), O(tile) memory"
     capabilities = Capabilities(
@@ -601,14 +644,11 @@ class NumbaBackend(Backend):
         backward=True,
     )
 
+    forward = staticmethod(numba_attention_forward)
+    backward = staticmethod(numba_attention_backward)
+
     def unavailable_reason(self) -> str | None:
         return _MISSING
-
-    def run(self, inputs: AttentionInputs) -> Tensor:
-        launchers = (numba_attention_forward, numba_attention_backward)
-        return FusedAttention.apply(
-            launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask
-        )
 
 
 BACKEND = NumbaBackend()

@@ -13,12 +13,16 @@ from attnperf.backend import Backend, Capabilities
 from attnperf.inputs import SUPPORTED_DTYPES, AttentionInputs, prepare
 
 
-def reference_attention(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
-    """(output (B, Hq, L, Ev), weights (B, Hq, L, S)) in the inputs' dtype.
+def reference_attention(
+    inputs: AttentionInputs, compute_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """(output (B, Hq, L, Ev), weights (B, Hq, L, S)) in the inputs' dtype, computed in
+    `compute_dtype` (default: the inputs' own).
 
     The weights are those applied to the values, after dropout when dropout_p > 0.
     """
-    query, key, value = inputs.query, inputs.key, inputs.value
+    dtype = compute_dtype or inputs.dtype
+    query, key, value = (t.to(dtype) for t in (inputs.query, inputs.key, inputs.value))
     group = inputs.q_heads // max(inputs.kv_heads, 1)
     if group > 1:  # grouped-query: each key/value head serves `group` query heads
         key = key.repeat_interleave(group, dim=1)
@@ -51,7 +55,7 @@ def reference_attention(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
         weights = F.dropout(weights, p=inputs.dropout_p)
 
     # 4. Each output row is the weighted sum of the values.
-    return weights @ value, weights
+    return (weights @ value).to(inputs.dtype), weights.to(inputs.dtype)
 
 
 def attention_with_weights(
@@ -87,7 +91,9 @@ class ReferenceBackend(Backend):
     )
 
     def run(self, inputs: AttentionInputs) -> Tensor:
-        return reference_attention(inputs)[0]
+        # fp16/bf16 computed in fp32, as SDPA does: fp16 scores overflow at |q.k| > 65504.
+        half = inputs.dtype in (torch.float16, torch.bfloat16)
+        return reference_attention(inputs, torch.float32 if half else None)[0]
 
 
 BACKEND = ReferenceBackend()

@@ -15,7 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-from attnperf.backend import Backend, Capabilities, FusedAttention
+from attnperf.backend import Capabilities, FusedBackend
 from attnperf.inputs import AttentionInputs
 
 try:
@@ -134,6 +134,16 @@ def _autotune(**kwargs):
 
 # ---------------------------------------------------------------------------- kernels
 @_jit
+def base2_bias(value):
+    """A float mask's values in base 2: finite stays finite (finfo.min, a common "masked"
+    value, times log2(e) would overflow to -inf and empty a row that SDPA averages)."""
+    scaled = value * 1.4426950408889634
+    finite = tl.abs(value) < float("inf")
+    return tl.where(finite, tl.minimum(tl.maximum(scaled, -3.4028234663852886e38),
+                                       3.4028234663852886e38), scaled)  # fmt: skip
+
+
+@_jit
 def load_scores(
     q, K, Mask, b, h, offs_m, start_n, q_len, kv_len, head_dim, scale2,
     skn, skd, smb, smh, smm, smn,
@@ -160,7 +170,7 @@ def load_scores(
     if MASK_KIND != 0:
         mask_ptrs = Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn
         if MASK_KIND == 2:
-            s += tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32) * 1.4426950408889634
+            s += base2_bias(tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32))
         else:  # bool: added as 0 / -inf like SDPA, so a NaN score stays NaN
             allowed = tl.load(mask_ptrs, mask=in_bounds, other=1) != 0
             s += tl.where(allowed, 0.0, float("-inf"))
@@ -192,7 +202,7 @@ def dot_pv(p, v, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr):
 )
 @_jit
 def online_softmax_forward_kernel(
-    Q, K, V, Mask, Out, Lse2,
+    Q, K, V, Mask, Out, Stats,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn, sob, soh, som, sod,
     q_heads, group, q_len, kv_len, head_dim, value_dim, scale2, q_len_class, kv_len_class,
@@ -200,7 +210,8 @@ def online_softmax_forward_kernel(
     BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
-    """Out (B, Hq, L, Ev) and base-2 logsumexp Lse2 (B, Hq, L) for one query tile."""
+    """Out (B, Hq, L, Ev) and Stats (B, Hq, L, 2), each row's base-2 max and sum, for one
+    query tile."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
@@ -248,15 +259,16 @@ def online_softmax_forward_kernel(
             )
             acc = acc * alpha[:, None] + dot_pv(p, v, WIDEN_DOT, IEEE)
             m_i = m_new
-    # Fully masked rows (sum 0) give 0; their lse is +inf so backward p = 0 as well.
+    # Fully masked rows (sum 0) give 0, and so does their backward (p = 2**s * 0).
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse2 = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i)))
     tl.store(
         Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
         out.to(Out.dtype.element_ty),
         mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < value_dim),
     )
-    tl.store(Lse2 + bh * q_len + offs_m, lse2, mask=offs_m < q_len)
+    stats = Stats + (bh * q_len + offs_m) * 2
+    tl.store(stats, tl.where(l_i == 0.0, 0.0, m_i), mask=offs_m < q_len)
+    tl.store(stats + 1, l_i, mask=offs_m < q_len)
 
 
 @_jit
@@ -275,24 +287,28 @@ def attention_backward_preprocess(
 
 @_jit
 def recompute_probabilities(
-    q, K_bh, Mask, Lse2, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim, scale2,
+    q, K_bh, Mask, Stats, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim, scale2,
     skn, skd, smb, smh, smm, smn,
     MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """P (BLOCK_M, BLOCK_N) of one tile from the saved base-2 logsumexp."""
+    """P (BLOCK_M, BLOCK_N) of one tile from the rows' saved max and sum: kept apart, they
+    hold the sum where max + log2(sum) would round it away (scores near finfo.min)."""
     s = load_scores(
         q, K_bh, Mask, b, h, offs_m, start_n, q_len, kv_len,
         head_dim, scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, False, BLOCK_N,
         BLOCK_D, WIDEN_DOT, IEEE,
     )  # fmt: skip
-    lse2 = tl.load(Lse2 + bh * q_len + offs_m, mask=offs_m < q_len, other=float("inf"))
-    return tl.math.exp2(s - lse2[:, None])
+    stats = Stats + (bh * q_len + offs_m) * 2
+    row_max = tl.load(stats, mask=offs_m < q_len, other=0.0)
+    row_sum = tl.load(stats + 1, mask=offs_m < q_len, other=0.0)
+    inverse = tl.where(row_sum == 0.0, 0.0, 1.0 / tl.where(row_sum == 0.0, 1.0, row_sum))
+    return tl.math.exp2(s - row_max[:, None]) * inverse[:, None]
 
 
 @_jit
 def attention_backward_dkdv_kernel(
-    Q, K, V, Mask, GradOut, Lse2, Delta, DK, DV,
+    Q, K, V, Mask, GradOut, Stats, Delta, DK, DV,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn, sdb, sdh, sdm, sdd,
     q_heads, kv_heads, group, q_len, kv_len, head_dim, value_dim, scale2, scale,
@@ -333,7 +349,7 @@ def attention_backward_dkdv_kernel(
                 other=0.0,
             )
             p = recompute_probabilities(
-                q, K_bh, Mask, Lse2, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim,
+                q, K_bh, Mask, Stats, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim,
                 scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, BLOCK_N, BLOCK_D,
                 WIDEN_DOT, IEEE,
             )  # fmt: skip
@@ -357,7 +373,7 @@ def attention_backward_dkdv_kernel(
 
 @_jit
 def attention_backward_dq_kernel(
-    Q, K, V, Mask, GradOut, Lse2, Delta, DQ, DMask,
+    Q, K, V, Mask, GradOut, Stats, Delta, DQ, DMask,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn,
     q_heads, group, q_len, kv_len, head_dim, value_dim, scale2, scale,
@@ -394,7 +410,7 @@ def attention_backward_dq_kernel(
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         p = recompute_probabilities(
-            q, K_bh, Mask, Lse2, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim,
+            q, K_bh, Mask, Stats, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim,
             scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, BLOCK_N, BLOCK_D,
             WIDEN_DOT, IEEE,
         )  # fmt: skip
@@ -451,30 +467,29 @@ def _store_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
-    """(out (B, Hq, L, Ev) in the inputs' dtype, lse2 (B, Hq, L) fp32, logsumexp in base 2)."""
+    """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
+    row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
     q, k, v = inputs.query.detach(), inputs.key.detach(), inputs.value.detach()
     batch, q_heads, q_len, _ = q.shape
     out_dtype = _store_dtype(q.dtype)
     out = torch.empty((*q.shape[:3], inputs.value_dim), dtype=out_dtype, device=q.device)
-    lse2 = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or inputs.kv_len == 0:
-        out.zero_()
-        lse2.fill_(float("inf"))
-        return out.to(q.dtype), lse2
+    stats = torch.empty((*q.shape[:3], 2), dtype=torch.float32, device=q.device)
+    if batch * q_heads * q_len * inputs.kv_len == 0:  # no key is seen (E = 0 has keys)
+        return out.zero_().to(q.dtype), stats.zero_()
     mask, mask_strides, mask_kind = _mask_args(inputs, q)
     grid = lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), batch * q_heads)  # noqa: E731
     online_softmax_forward_kernel[grid](
-        q, k, v, mask, out, lse2, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
+        q, k, v, mask, out, stats, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
         *out.stride(), q_heads, q_heads // inputs.kv_heads, q_len, inputs.kv_len,
         inputs.head_dim, inputs.value_dim, inputs.scale * LOG2E, _next_power_of_2(q_len),
         _next_power_of_2(inputs.kv_len), MASK_KIND=mask_kind, CAUSAL=inputs.is_causal,
         **_kernel_flags(inputs),
     )  # fmt: skip
-    return out.to(q.dtype), lse2
+    return out.to(q.dtype), stats
 
 
 def triton_attention_backward(
-    inputs: AttentionInputs, out: Tensor, lse2: Tensor, grad_out: Tensor
+    inputs: AttentionInputs, out: Tensor, stats: Tensor, grad_out: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dmask or None) by FlashAttention-2's deterministic scheme."""
     q, k, v = inputs.query.detach(), inputs.key.detach(), inputs.value.detach()
@@ -485,12 +500,11 @@ def triton_attention_backward(
     dk = torch.zeros((batch, kv_heads, kv_len, inputs.head_dim), dtype=grad_dtype, device=q.device)
     dv = torch.zeros((batch, kv_heads, kv_len, inputs.value_dim), dtype=grad_dtype, device=q.device)
     want_dmask = inputs.mask_kind == "float" and inputs.attn_mask.requires_grad
-    dmask = torch.zeros((batch, q_heads, q_len, kv_len), dtype=torch.float32, device=q.device)
-    if not want_dmask:
-        dmask = dmask[:0]
-    dmask_or_none = dmask if want_dmask else None
-    if q_len == 0 or kv_len == 0:  # E = 0 still has work: P from zero scores
-        return _finish_grads(inputs, dq, dk, dv, dmask_or_none)
+    dmask = None  # the float mask's gradient, (B, Hq, L, S) by nature: only when wanted
+    if want_dmask:
+        dmask = torch.zeros((batch, q_heads, q_len, kv_len), dtype=torch.float32, device=q.device)
+    if batch * q_heads * q_len * kv_len == 0:  # E = 0 still has work: P from zero scores
+        return _finish_grads(inputs, dq, dk, dv, dmask)
     grad_out = grad_out.contiguous()
     out = out.contiguous()
     delta = torch.empty((batch, q_heads, q_len), dtype=torch.float32, device=q.device)
@@ -503,18 +517,19 @@ def triton_attention_backward(
     block, stages = backward_config(inputs, q.device.index)
     common = (*q.stride(), *k.stride(), *v.stride(), *mask_strides)
     attention_backward_dkdv_kernel[(triton.cdiv(kv_len, block), batch * kv_heads)](
-        q, k, v, mask, grad_out, lse2, delta, dk, dv, *common, *dk.stride(), q_heads, kv_heads,
+        q, k, v, mask, grad_out, stats, delta, dk, dv, *common, *dk.stride(), q_heads, kv_heads,
         q_heads // kv_heads, q_len, kv_len, inputs.head_dim, inputs.value_dim,
         inputs.scale * LOG2E, inputs.scale, MASK_KIND=mask_kind, CAUSAL=inputs.is_causal,
         BLOCK_M=block, BLOCK_N=block, num_stages=stages, **flags,
     )  # fmt: skip
     attention_backward_dq_kernel[(triton.cdiv(q_len, block), batch * q_heads)](
-        q, k, v, mask, grad_out, lse2, delta, dq, dmask, *common, q_heads, q_heads // kv_heads,
-        q_len, kv_len, inputs.head_dim, inputs.value_dim, inputs.scale * LOG2E, inputs.scale,
+        q, k, v, mask, grad_out, stats, delta, dq, dq if dmask is None else dmask, *common,
+        q_heads, q_heads // kv_heads, q_len, kv_len, inputs.head_dim, inputs.value_dim,
+        inputs.scale * LOG2E, inputs.scale,
         MASK_KIND=mask_kind, CAUSAL=inputs.is_causal, WANT_DMASK=want_dmask, BLOCK_M=block,
         BLOCK_N=block, num_stages=stages, **flags,
     )  # fmt: skip
-    return _finish_grads(inputs, dq, dk, dv, dmask_or_none)
+    return _finish_grads(inputs, dq, dk, dv, dmask)
 
 
 def _finish_grads(inputs, dq, dk, dv, dmask):
@@ -523,7 +538,7 @@ def _finish_grads(inputs, dq, dk, dv, dmask):
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), dmask
 
 
-class TritonBackend(Backend):
+class TritonBackend(FusedBackend):
     name = "triton"
     description = "fused FlashAttention-2-style GPU kernel (Triton), online softmax in base 2"
     capabilities = Capabilities(
@@ -538,6 +553,9 @@ class TritonBackend(Backend):
         backward=True,
     )
 
+    forward = staticmethod(triton_attention_forward)
+    backward = staticmethod(triton_attention_backward)
+
     def unavailable_reason(self) -> str | None:
         if _MISSING:
             return _MISSING
@@ -547,12 +565,6 @@ class TritonBackend(Backend):
                 "used, runs them on CPU through Triton's interpreter)"
             )
         return None
-
-    def run(self, inputs: AttentionInputs) -> Tensor:
-        launchers = (triton_attention_forward, triton_attention_backward)
-        return FusedAttention.apply(
-            launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask
-        )
 
 
 BACKEND = TritonBackend()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import CASES, backend_params, device_for
+from cases import CASES, backend_params, device_for, torch_may_deviate
 
 import attnperf
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
@@ -16,7 +16,8 @@ def test_forward_agrees_with_float64_reference(backend, case, dtype):
     baseline = same_precision_reference(**args)
     assert out.shape == baseline.shape
     assert out.dtype == dtype
-    assert_agrees(out, float64_reference(**args), baseline)
+    with torch_may_deviate(backend, case, dtype, "forward"):
+        assert_agrees(out, float64_reference(**args), baseline)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnperf import dispatch
 
@@ -51,3 +52,36 @@ def test_bench_refuses_kv_heads_that_do_not_divide_heads(tmp_path):
                  cwd=tmp_path)  # fmt: skip
     assert result.returncode == 2
     assert "--kv-heads must divide --heads (8), got 3" in result.stderr
+
+
+BAD_OPTIONS = {
+    "negative_length": (["bench", "--lengths", "-5"], "--lengths: expected a whole number >= 1"),
+    "zero_length": (["bench", "--lengths", "0"], "--lengths: expected a whole number >= 1"),
+    "unknown_backend": (["bench", "--backends", "nosuch"], "invalid choice: 'nosuch'"),
+    "negative_rounds": (["bench", "--rounds", "-1"], "--rounds: expected a whole number >= 1"),
+    "zero_rounds": (["bench", "--rounds", "0"], "--rounds: expected a whole number >= 1"),
+    "negative_threads": (["bench", "--threads", "-1"], "--threads: expected a whole number"),
+    "unwritable_out": (["bench", "--out", "/proc/attnperf/x"], "--out /proc/attnperf/x: cannot"),
+    "missing_baseline": (["bench", "--baseline", "nothing.json"], "cannot read it"),
+    "corrupt_baseline": (["bench", "--baseline", "corrupt.json"], "not an attnperf bench report"),
+    "wrong_layout_baseline": (["bench", "--baseline", "layout.json"], "a benchmark without"),
+    "unknown_device": (["bench", "--device", "tpu"], "expected cpu or cuda"),
+}
+
+
+@pytest.mark.parametrize("args, message", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
+def test_bad_options_get_one_line_and_status_2_before_any_work(args, message, tmp_path):
+    (tmp_path / "corrupt.json").write_text("{not json")
+    (tmp_path / "layout.json").write_text('{"benchmarks": [{"extra_info": {"backend": "x"}}]}')
+    result = run(sys.executable, "-m", "attnperf", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "bench-report").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+@pytest.mark.parametrize("command", ["bench", "smoke"])
+def test_cuda_without_a_gpu_is_refused_clearly(command, tmp_path):
+    result = run(sys.executable, "-m", "attnperf", command, "--device", "cuda", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "no CUDA GPU is visible to torch here" in result.stderr

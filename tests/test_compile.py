@@ -52,5 +52,30 @@ def test_the_custom_op_has_a_fake_implementation():
 
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        out = torch.ops.attnperf.attention(fq, fk, fv, None, 0.0, False, None, False, "auto")
+        out, _ = torch.ops.attnperf.attention(fq, fk, fv, None, 0.0, False, None, False, "auto")
     assert out.shape == (2, 3, 5, 6)
+
+
+@pytest.mark.parametrize(
+    "backend", [b for b in BACKENDS if dispatch.registry()[b].capabilities.dropout]
+)
+def test_compiled_dropout_gradients_match_eager_under_the_same_seed(backend):
+    """The backward recomputes the forward: it must draw the forward's dropout mask again."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen).requires_grad_() for _ in range(3))
+
+    def dropped(q, k, v):
+        return attnperf.attention(q, k, v, dropout_p=0.5, backend=backend)
+
+    compiled = torch.compile(dropped, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(1)
+    out = compiled(q, k, v)
+    torch.manual_seed(1)
+    expected = dropped(q, k, v)
+    torch.testing.assert_close(out, expected)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad)

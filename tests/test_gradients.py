@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from cases import backend_params, device_for, output_and_gradients
+from cases import backend_params, device_for, output_and_gradients, torch_may_deviate
 
 import attnperf
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
@@ -25,4 +25,5 @@ def test_gradients_agree_with_float64_reference(backend, case, dtype):
     for name in actual:
         assert actual[name] is not None, f"no gradient reached {name}"
         assert actual[name].shape == args[name].shape
-        assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")
+        with torch_may_deviate(backend, case, dtype, "backward"):
+            assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")

@@ -1,9 +1,13 @@
 """Bad input gets a clear error naming the argument and what was expected."""
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import attnperf
+from attnperf import dispatch
 
 
 def qkv(q_shape=(2, 4, 8, 16), k_shape=None, v_shape=None, dtype=torch.float32):
@@ -67,8 +71,28 @@ BAD_CALLS = {
     "mixed_devices": (
         lambda: attnperf.attention(*qkv()[:2], qkv()[2].to("meta")), ValueError, "value is on meta"
     ),
-    "dropout_negative": (lambda: call(dropout_p=-0.1), ValueError, r"must be in \[0, 1\)"),
-    "dropout_one": (lambda: call(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
+    "dropout_negative": (lambda: call(dropout_p=-0.1), ValueError, r"must be in \[0, 1\]"),
+    "dropout_above_one": (lambda: call(dropout_p=1.5), ValueError, r"dropout_p must be in \["),
+    "dropout_bool": (lambda: call(dropout_p=True), TypeError, "dropout_p must be a float, got"),
+    "scale_nan": (lambda: call(scale=float("nan")), ValueError, "scale must be finite"),
+    "scale_inf": (lambda: call(scale=np.float32("inf")), ValueError, "scale must be finite"),
+    "causal_numpy_int": (lambda: call(is_causal=np.int64(1)), TypeError, "got int64"),
+    "nested_query": (
+        lambda: attnperf.attention(*(torch.nested.nested_tensor(
+            [torch.randn(2, 3, 8), torch.randn(2, 5, 8)], layout=torch.jagged) for _ in range(3))),
+        TypeError, "query must be a dense",
+    ),
+    "sparse_key": (
+        lambda: attnperf.attention(qkv()[0], qkv()[1].to_sparse(), qkv()[2]),
+        TypeError, "key must be a dense",
+    ),
+    "causal_bias_wrong_lengths": (
+        lambda: call(attn_mask=causal_upper_left(8, 9)), ValueError, r"CausalBias for \(L, S\)"
+    ),
+    "causal_bias_and_is_causal": (
+        lambda: call(attn_mask=causal_lower_right(8, 8), is_causal=True),
+        ValueError, "cannot be given together",
+    ),
     "dropout_not_number": (lambda: call(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
     "causal_not_bool": (lambda: call(is_causal=1), TypeError, "is_causal must be a bool"),
     "scale_not_number": (lambda: call(scale="2"), TypeError, "scale must be a float"),
@@ -103,3 +127,38 @@ def test_partially_broadcast_batch_mask_copies_no_more_than_its_batch():
     assert inputs.attn_mask.untyped_storage().nbytes() <= 6 * 8 * 8
     expected = mask.expand(2, 3, 4, 8, 8).reshape(6, 4, 8, 8)
     assert torch.equal(inputs.attn_mask, expected)
+
+
+AVAILABLE = [b.name for b in dispatch.registry().values() if b.unavailable_reason() is None]
+
+
+def test_numpy_scalars_are_taken_as_sdpa_takes_python_numbers():
+    q, k, v = qkv()
+    out = attnperf.attention(
+        q, k, v, is_causal=np.bool_(True), scale=np.float32(0.25), dropout_p=np.float64(0.0)
+    )
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", [b for b in AVAILABLE if b in ("reference", "sdpa")])
+def test_dropout_one_gives_zeros_as_sdpa(backend):
+    q, k, v = (t.requires_grad_() for t in qkv())
+    out = attnperf.attention(q, k, v, dropout_p=1.0, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")  # ours: zeros
+@pytest.mark.parametrize("backend", [*AVAILABLE, "auto"])
+@pytest.mark.parametrize("lengths", [(8, 8), (5, 9), (9, 5)], ids=["square", "L<S", "L>S"])
+@pytest.mark.parametrize("bias", [causal_upper_left, causal_lower_right], ids=lambda f: f.__name__)
+def test_torch_causal_bias_objects_mean_what_they_mean_in_sdpa(backend, lengths, bias):
+    q, k, v = qkv((2, 4, lengths[0], 16), (2, 4, lengths[1], 16))
+    out = attnperf.attention(q, k, v, attn_mask=bias(*lengths), backend=backend)
+    # SDPA's own reading of them, from the band they stand for (rows that see no key: 0).
+    offset = 0 if bias is causal_upper_left else lengths[1] - lengths[0]
+    band = torch.ones(lengths, dtype=torch.bool).tril(offset)
+    expected = attnperf.attention(q, k, v, attn_mask=band, backend="reference")
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

@@ -15,8 +15,9 @@ BACKENDS = [
 ]
 
 
-def textbook(module, x, padding=None):
-    """The module's computation written out with plain tensor ops."""
+def textbook(module, x, padding=None, allowed_pairs=None):
+    """The module's computation written out with plain tensor ops; `padding` (batch, seq)
+    is 1 for real tokens, `allowed_pairs` (seq, seq) True where a query sees a key."""
     batch, seq, _ = x.shape
     h, hk, d = module.num_heads, module.num_kv_heads, module.head_dim
     q = module.q_proj(x).view(batch, seq, h, d).transpose(1, 2)
@@ -29,6 +30,8 @@ def textbook(module, x, padding=None):
     allowed = allowed.expand(batch, 1, seq, seq)
     if padding is not None:
         allowed = allowed & padding[:, None, None, :].bool()
+    if allowed_pairs is not None:
+        allowed = allowed & allowed_pairs
     weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num()
     out = (weights @ v).transpose(1, 2).reshape(batch, seq, -1)
     return module.out_proj(out)
@@ -45,7 +48,7 @@ def test_module_matches_the_textbook_steps(backend, kv_heads, causal):
     padding[1, 7:] = 0
     with torch.no_grad():
         torch.testing.assert_close(module(x), textbook(module, x), rtol=1e-4, atol=1e-5)
-        out = module(x, attn_mask=padding)
+        out = module(x, key_padding_mask=padding == 0)
         torch.testing.assert_close(out, textbook(module, x, padding), rtol=1e-4, atol=1e-5)
 
 
@@ -54,9 +57,30 @@ def test_padding_keys_do_not_change_real_tokens():
     module = SelfAttention(16, 2, causal=True)
     x = torch.randn(1, 6, 16)
     padded = torch.cat([x, torch.randn(1, 3, 16) * 100], dim=1)
-    mask = torch.tensor([[1] * 6 + [0] * 3])
+    pad = torch.tensor([[False] * 6 + [True] * 3])
+    additive = torch.zeros(1, 9).masked_fill(pad, float("-inf"))
     with torch.no_grad():
-        torch.testing.assert_close(module(padded, attn_mask=mask)[:, :6], module(x))
+        torch.testing.assert_close(module(padded, key_padding_mask=pad)[:, :6], module(x))
+        # A float padding mask is added (0 keeps, -inf drops), never inverted.
+        torch.testing.assert_close(module(padded, key_padding_mask=additive)[:, :6], module(x))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_square_attn_mask_is_a_pair_mask_even_when_batch_equals_seq(causal):
+    """A (seq, seq) attn_mask is (query, key) pairs, never taken for padding."""
+    torch.manual_seed(0)
+    module = SelfAttention(16, 2, causal=causal)
+    x = torch.randn(5, 5, 16)  # batch == seq
+    pairs = torch.rand(5, 5) > 0.4
+    pairs[:, 0] = True  # every query sees a key
+    padding = torch.ones(5, 5, dtype=torch.long)
+    padding[2, 3:] = 0
+    with torch.no_grad():
+        expected = textbook(module, x, allowed_pairs=pairs)
+        torch.testing.assert_close(module(x, attn_mask=pairs), expected, rtol=1e-4, atol=1e-5)
+        both = module(x, attn_mask=pairs, key_padding_mask=padding == 0)
+        expected = textbook(module, x, padding, allowed_pairs=pairs)
+        torch.testing.assert_close(both, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_state_dict_is_the_same_whatever_the_backend():
@@ -103,7 +127,27 @@ def test_bad_configuration_is_refused(kwargs, message):
         SelfAttention(**kwargs)
 
 
-def test_bad_mask_shape_is_refused():
+def test_bad_masks_and_inputs_are_refused():
     module = SelfAttention(16, 2)
-    with pytest.raises(ValueError, match=r"padding mask of shape \(batch, seq\)"):
-        module(torch.randn(2, 5, 16), attn_mask=torch.ones(5, 5, dtype=torch.bool))
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \(batch, seq\)"):
+        module(x, key_padding_mask=torch.ones(5, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"attn_mask must be a torch\.Tensor"):
+        module(x, attn_mask=[[True] * 5] * 5)
+    with pytest.raises(ValueError, match="attn_mask must be"):
+        module(x, attn_mask=torch.ones(5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"x must be a \(batch, seq, embed_dim\) tensor"):
+        module(torch.randn(5, 16))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"embed_dim": 32, "num_heads": 4.0}, TypeError, "num_heads must be an int"),
+        ({"embed_dim": 32, "num_heads": 4, "num_kv_heads": "2"}, TypeError, "num_kv_heads"),
+        ({"embed_dim": 32, "num_heads": 4, "backend": "nosuch"}, ValueError, "unknown backend"),
+    ],
+)
+def test_bad_types_and_backends_are_refused_at_construction(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SelfAttention(**kwargs)
