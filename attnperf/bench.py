@@ -50,6 +50,7 @@ class BenchConfig:
     device: str = "cpu"
     rounds: int = 5
     threads: int = field(default_factory=torch.get_num_threads)
+    memory: bool = True  # also measure each point's peak extra memory
 
 
 @dataclass
@@ -280,6 +281,8 @@ def run_sweep(
     finally:
         for worker in timers.values():
             worker.shutdown()
+    if not config.memory:
+        return [timed[backend, spec] for backend in backends for spec in points]
     results = []
     for backend in backends:
         watcher = _start_worker(config, memory=True)

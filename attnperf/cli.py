@@ -1,4 +1,4 @@
-"""`attnperf` command line: `info` (the capability table), `smoke` and `bench`."""
+"""`attnperf` command line: `info` (the capability table), `smoke`, `bench` and `tune`."""
 
 from __future__ import annotations
 
@@ -55,6 +55,34 @@ def smoke(device: str) -> int:
 QUICK_LENGTHS = (256, 512, 1024)
 
 
+def tune(args: argparse.Namespace) -> int:
+    """Measure numba against sdpa here and write the table that "auto" reads on CPU."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from attnperf import tuning
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    lengths = tuple(args.lengths or tuning.LENGTHS)
+    jobs = len(tuning.SHAPES) * len(lengths) * 2 * 2 * 2
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("tuning", total=jobs)
+        table = tuning.calibrate(
+            lengths, args.rounds, args.threads,
+            lambda done: progress.update(task, advance=1, description=done),
+        )  # fmt: skip
+    path = tuning.write_table(table, tuning.table_path())
+    for rule in table["rules"]:
+        kind = (f"E={rule['head_dim']}{' GQA' if rule['gqa'] else ''} "
+                f"{'causal' if rule['causal'] else 'full'} "
+                f"{'forward+backward' if rule['backward'] else 'forward'}")  # fmt: skip
+        ratios = ", ".join(f"L={length}: {ratio:.2f}x" for length, ratio in rule["ratios"].items())
+        first = f"numba from L={rule['numba_from']}" if rule["numba_from"] else "sdpa"
+        console.print(f"{kind:32s} {first:22s} numba/sdpa {ratios}", highlight=False)
+    console.print(f"written: {path}", highlight=False)
+    return 0
+
+
 def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     """Sweep, print the table and the growth fits, write the report folder."""
     from pathlib import Path
@@ -65,9 +93,11 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
 
     from attnperf.bench import PASSES, BenchConfig, run_sweep
     from attnperf.report import (
+        FIT_NOTE,
         build_report,
         compare_to_baseline,
         fit_rows,
+        left_out_note,
         table_rows,
         write_report,
     )
@@ -105,9 +135,18 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
 
     kv = f"/{config.kv_heads}" if config.kv_heads and config.kv_heads != config.heads else ""
     shape = f"B={config.batch}, H={config.heads}{kv}, E={config.head_dim}"
-    title = f"attnperf bench: {config.dtype}, {shape}, {config.threads} threads, {config.device}"
+    cpu = report["machine_info"]
+    device = (
+        config.device
+        if config.device != "cpu"
+        else (f"cpu {cpu['cpu_model']} ({cpu['vector_isa']})")
+    )
+    title = f"attnperf bench: {config.dtype}, {shape}, {config.threads} threads, {device}"
     show(table_rows(report), title)
-    show(fit_rows(report), "growth in L")
+    if left_out_note(report):
+        console.print(left_out_note(report), highlight=False)
+    show(fit_rows(report), "growth in L: value ~ L^k")
+    console.print(FIT_NOTE, highlight=False)
     written = write_report(report, Path(args.out))
     console.print("report: " + ", ".join(str(path) for path in written), highlight=False)
     if baseline is not None:
@@ -209,11 +248,29 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     b.add_argument("--out", default="bench-report", help="report folder")
     b.add_argument("--baseline", help="a report.json to compare with (warns, never fails)")
+    t = commands.add_parser(
+        "tune", help="measure numba against sdpa here; write the table that 'auto' reads"
+    )
+    t.add_argument("--lengths", type=positive_int, nargs="+",
+                   help="L = S values (default 1024 2048 4096)")  # fmt: skip
+    t.add_argument("--rounds", type=positive_int, default=5, help="timed rounds per point")
+    t.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.command == "info":
+        from attnperf import tuning
+        from attnperf.machine import cpu_description
+
+        cpu = cpu_description()
         print(f"attnperf {attnperf.__version__}, torch {torch.__version__}")
+        print(f"CPU: {cpu['cpu_model']}, {cpu['vector_isa']} (torch's kernels: "
+              f"{cpu['torch_cpu_capability']}), {torch.get_num_threads()} threads")  # fmt: skip
         print(info_table())
+        print(f"auto on CPU: {tuning.active_rules()[1]}")
         return 0
+    if args.command == "tune":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return tune(args)
     if args.command == "bench":
         if args.kv_heads is not None and args.heads % args.kv_heads:
             parser.error(f"--kv-heads must divide --heads ({args.heads}), got {args.kv_heads}")

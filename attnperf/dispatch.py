@@ -5,14 +5,14 @@ from __future__ import annotations
 import functools
 import importlib
 
-import torch
 from torch import Tensor
 
 from attnperf.backend import Backend
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels import BACKEND_MODULES
 
-# Fastest first, per device, from measurements; CPU calls of the class below put numba first.
+# Fastest first, per device; on CPU, numba goes first where this machine's measured table
+# (`attnperf tune`, attnperf.tuning) says it is faster, sdpa first everywhere else.
 PRIORITY = {
     "cuda": ("triton", "sdpa", "reference"),
     "cpu": ("sdpa", "numba", "reference"),
@@ -21,34 +21,18 @@ CPU_NUMBA_FIRST = ("numba", "sdpa", "reference")
 
 
 def numba_leads_on_cpu(inputs: AttentionInputs) -> bool:
-    """Whether the call is of the CPU class in which numba measured faster than sdpa.
+    """Whether this machine's measured table (`attnperf tune`) puts numba first for the call.
 
-    numba/sdpa throughput, same run, 2-core AVX-512 machine, fp32, no mask, B=1; five runs of
-    `attnperf bench --backends sdpa numba --lengths 512 1024 2048 4096 --causal both
-    --rounds 9` (H=8, E=64) and one with `--heads 4 --head-dim 128 --lengths 2048 4096`:
-      L = S = 2048 / 4096, forward, full:             0.84-0.95x / 0.91-0.98x  (sdpa)
-      L = S = 2048 / 4096, forward, causal:           1.01-1.08x / 1.00-1.10x  (numba)
-      L = S = 2048 / 4096, forward+backward, full:    0.96-1.08x / 0.97-1.09x  (numba, mostly)
-      L = S = 2048 / 4096, forward+backward, causal:  0.88-1.05x / 1.00-1.14x  (numba, mostly)
-      L = S <= 1024, any:                             0.54-1.17x, mostly < 0.95x (sdpa)
-    GQA, 8 query / 2 kv heads (two runs, `--heads 8 --kv-heads 2 --lengths 1024 2048 4096`):
-      L = S = 2048 / 4096: forward full 0.96-1.06x / 1.01-1.02x; forward causal 1.06-1.09x /
-      1.04-1.21x; forward+backward full 0.98-1.05x / 1.05-1.16x, causal 1.01-1.02x /
-      1.07-1.15x; numba's backward shares its work out by (batch, kv head), so GQA counts only
-      with at least one such pair per thread.
-    Masks, other dtypes and head dims above 128 were not measured: sdpa stays first.
+    Without a valid table, never: sdpa first. For reference, on the 2-core AVX-512 machine
+    this package was developed on (`attnperf bench --backends sdpa numba --lengths 2048
+    4096 --causal both --rounds 9`, five runs), numba/sdpa was 0.84-0.98x on full
+    forward-only calls, 1.00-1.10x causal, 0.96-1.14x with the backward, and mostly below
+    0.95x at L <= 1024; other machines differ, which is why it is measured where it runs.
     """
-    return (
-        inputs.dtype == torch.float32
-        and inputs.attn_mask is None
-        and (
-            inputs.q_heads == inputs.kv_heads
-            or inputs.batch * inputs.kv_heads >= torch.get_num_threads()
-        )
-        and min(inputs.q_len, inputs.kv_len) >= 2048
-        and max(inputs.head_dim, inputs.value_dim) <= 128
-        and (inputs.is_causal or inputs.needs_grad)
-    )
+    from attnperf import tuning
+
+    rules, _ = tuning.active_rules()
+    return bool(rules) and tuning.numba_leads(inputs, rules)
 
 
 class BackendNotSupportedError(RuntimeError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from attnperf.bench import BenchConfig, Measurement, fit_exponent
+from attnperf.machine import cpu_description
 
 PEER = "sdpa"
 MIB = 2**20
@@ -31,6 +33,7 @@ def machine_info(config: BenchConfig) -> dict:
     return {
         "node": platform.node(),
         "processor": platform.processor() or platform.machine(),
+        **cpu_description(),
         "cpu_count": os.cpu_count(),
         "threads": config.threads,
         "device": device,
@@ -49,8 +52,19 @@ def speed_vs_peer(points: list[Measurement]) -> dict[tuple, float]:
     return ratios
 
 
+def local_exponent(lengths: list[int], values: list[float]) -> float | None:
+    """The slope of log(value) on log(L) between the two largest lengths: where per-call
+    overhead no longer bends the whole-range fit below the kernel's true growth."""
+    pairs = sorted((x, y) for x, y in zip(lengths, values, strict=True) if y and y > 0)
+    if len(pairs) < 2 or pairs[-1][0] == pairs[-2][0]:
+        return None
+    (x0, y0), (x1, y1) = pairs[-2:]
+    return math.log(y1 / y0) / math.log(x1 / x0)
+
+
 def growth_fits(points: list[Measurement]) -> list[dict]:
-    """Per backend, pass and causal: the exponent of time and of peak memory in L."""
+    """Per backend, pass and causal: the exponent of time and of peak memory in L, fitted
+    over every length and between the two largest."""
     series: dict[tuple, list[Measurement]] = {}
     for p in points:
         if p.status == "ok":
@@ -65,6 +79,8 @@ def growth_fits(points: list[Measurement]) -> list[dict]:
         ):
             fit = fit_exponent(lengths, values)
             row[f"{name}_exponent"], row[f"{name}_r2"] = fit if fit else (None, None)
+            row[f"{name}_local_exponent"] = local_exponent(lengths, values)
+        row["upper_lengths"] = sorted(lengths)[-2:]
         fits.append(row)
     return fits
 
@@ -105,8 +121,27 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def left_out(report: dict) -> dict[str, str]:
+    """Backends with no measured point (unavailable here), each with why."""
+    reasons: dict[str, str] = {}
+    measured = set()
+    for e in (b["extra_info"] for b in report["benchmarks"]):
+        if e["status"] == "ok":
+            measured.add(e["backend"])
+        else:
+            reasons.setdefault(e["backend"], e["status"])
+    return {backend: why for backend, why in reasons.items() if backend not in measured}
+
+
+def left_out_note(report: dict) -> str:
+    """One line under the table naming what it leaves out, or ''."""
+    absent = left_out(report)
+    return "; ".join(f"{b} left out ({why})" for b, why in absent.items())
+
+
 def table_rows(report: dict) -> list[list[str]]:
-    """Header and rows: each length's backends side by side."""
+    """Header and rows: each length's backends side by side; backends without any measured
+    point are left out (`left_out_note` says why)."""
     rows = [
         [
             "pass",
@@ -122,8 +157,9 @@ def table_rows(report: dict) -> list[list[str]]:
             "note",
         ]
     ]
+    absent = left_out(report)
     entries = sorted(
-        (b["extra_info"] for b in report["benchmarks"]),
+        (b["extra_info"] for b in report["benchmarks"] if b["extra_info"]["backend"] not in absent),
         key=lambda e: (e["pass"], e["causal"], e["length"]),
     )
     for e in entries:
@@ -147,8 +183,16 @@ def table_rows(report: dict) -> list[list[str]]:
     return rows
 
 
+FIT_NOTE = (
+    "k over all lengths is bent low by per-call overhead at short L; k between the two "
+    "largest lengths is the kernel's growth. Ideal: time k = 2 (dense attention, causal "
+    "too); memory k = 1 for fused kernels, 2 for ones that hold the L x S scores."
+)
+
+
 def fit_rows(report: dict) -> list[list[str]]:
-    rows = [["backend", "pass", "mask", "time ~ L^k", "R^2", "memory ~ L^k", "R^2"]]
+    rows = [["backend", "pass", "mask", "time k (all L)", "R^2", "time k (top 2)",
+             "memory k (all L)", "memory k (top 2)", "top 2 lengths"]]  # fmt: skip
     for f in report["fits"]:
         rows.append(
             [
@@ -157,8 +201,10 @@ def fit_rows(report: dict) -> list[list[str]]:
                 "causal" if f["causal"] else "full",
                 _fmt(f["time_exponent"], ".2f"),
                 _fmt(f["time_r2"], ".3f"),
+                _fmt(f.get("time_local_exponent"), ".2f"),
                 _fmt(f["memory_exponent"], ".2f"),
-                _fmt(f["memory_r2"], ".3f"),
+                _fmt(f.get("memory_local_exponent"), ".2f"),
+                ", ".join(str(x) for x in f.get("upper_lengths", [])),
             ]
         )
     return rows
@@ -175,7 +221,9 @@ def markdown(report: dict) -> str:
     return "\n\n".join(
         [
             "# attnperf benchmark",
-            f"{report['datetime']} on {info['processor']} ({info['cpu_count']} CPUs, "
+            f"{report['datetime']} on {info.get('cpu_model', info['processor'])} "
+            f"({info.get('vector_isa', '?')}, torch's CPU kernels "
+            f"{info.get('torch_cpu_capability', '?')}; {info['cpu_count']} CPUs, "
             f"{info['threads']} threads), device {info['device']}; versions "
             + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v),
             f"B={config['batch']}, H={config['heads']}, "
@@ -185,7 +233,9 @@ def markdown(report: dict) -> str:
             "'vs sdpa' is sdpa's median time over the backend's (> 1: faster); spread is "
             "(max - min) / median; 'first call' includes JIT compilation or cache loading.",
             md_table(table_rows(report)),
-            "## Growth in L (least-squares fit of log value on log L)",
+            left_out_note(report),
+            "## Growth in L (value ~ L^k: least-squares fit of log value on log L)",
+            FIT_NOTE,
             md_table(fit_rows(report)),
             "![time](time_vs_length.png)\n\n![memory](memory_vs_length.png)",
         ]

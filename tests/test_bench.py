@@ -7,7 +7,14 @@ import sys
 import pytest
 
 from attnperf.bench import BenchConfig, Measurement, attention_flops, fit_exponent, run_sweep
-from attnperf.report import build_report, compare_to_baseline, table_rows, write_report
+from attnperf.report import (
+    build_report,
+    compare_to_baseline,
+    left_out_note,
+    local_exponent,
+    table_rows,
+    write_report,
+)
 
 KNOWN_ALLOCATION = """
 import numpy as np, torch
@@ -77,8 +84,21 @@ def test_unsupported_points_are_reported_with_their_reason():
     config = BenchConfig(lengths=(16,), passes=("forward",), backends=("triton",), rounds=1)
     (result,) = run_sweep(config)
     assert result.status.startswith("not supported: ")
-    rows = table_rows(build_report(config, [result]))
-    assert rows[1][-1] == result.status
+    report = build_report(config, [result])
+    # A backend with nothing measured is left out of the table and named once under it.
+    assert len(table_rows(report)) == 1
+    assert left_out_note(report) == f"triton left out ({result.status})"
+    # One with some points measured keeps its unsupported rows, each with the reason.
+    measured = point("triton", 32, 1.0)
+    rows = table_rows(build_report(config, [result, measured]))
+    assert rows[1][-1] == result.status and left_out_note(build_report(config, [measured])) == ""
+
+
+def test_growth_is_also_fitted_between_the_two_largest_lengths():
+    lengths = [256, 512, 1024, 2048]
+    times = [1.0, 1.2, 4.0, 16.0]  # overhead-bound at short L, then quadratic
+    assert local_exponent(lengths, times) == pytest.approx(2.0)
+    assert fit_exponent(lengths, times)[0] < 1.7
 
 
 def test_a_tiny_sweep_writes_every_report_file(tmp_path):

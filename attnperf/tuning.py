@@ -1,0 +1,221 @@
+"""`attnperf tune`: numba against sdpa measured on this machine, as the table "auto" reads.
+
+CPU kernels' relative speed depends on the CPU (AVX2 or AVX-512, cache sizes, cores), so the
+choice between numba and sdpa is measured where it is made. `calibrate` times both on the
+call classes that matter (causal or not, forward or with backward, head dims 64 and 128,
+grouped-query or not, L = S from 1024 up) in processes of their own (`attnperf.bench`), and
+`write_table` stores, per class, the shortest length from which numba was at least as fast
+as sdpa at that length and every longer one measured. The file lives in the user's cache
+directory with what it was measured on: CPU model, ISA flags, thread count, package
+versions. "auto" reads it only where all of these match this process; otherwise, or
+without a file, CPU calls go to sdpa first (the conservative default). A file that cannot
+be read, or was measured elsewhere, is ignored with a warning, never an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from attnperf.inputs import AttentionInputs
+from attnperf.machine import cpu_description
+
+SCHEMA = 1
+FILE_NAME = "cpu-dispatch.json"
+# (heads, kv heads, head dim) of the measured classes: multi-head at head dims 64 and 128,
+# and grouped-query (4 query heads per kv head) at 64.
+SHAPES = ((8, 8, 64), (4, 4, 128), (8, 2, 64))
+LENGTHS = (1024, 2048, 4096)
+
+
+def table_path() -> Path:
+    """$ATTNPERF_CACHE_DIR, else $XDG_CACHE_HOME/attnperf, else ~/.cache/attnperf; the file."""
+    folder = os.environ.get("ATTNPERF_CACHE_DIR")
+    if not folder:
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        folder = Path(cache) / "attnperf"
+    return Path(folder) / FILE_NAME
+
+
+def fingerprint(threads: int | None = None) -> dict:
+    """What a measurement is valid for: this CPU, the thread count and the packages."""
+    return _fingerprint(threads or torch.get_num_threads())
+
+
+@functools.cache  # "auto" compares it on every CPU call while a table is in force
+def _fingerprint(threads: int) -> dict:
+    import attnperf
+
+    try:
+        import numba
+
+        numba_version = numba.__version__
+    except ImportError:
+        numba_version = None
+    cpu = cpu_description()
+    return {
+        "cpu_model": cpu["cpu_model"],
+        "isa_flags": cpu["isa_flags"],
+        "torch_cpu_capability": cpu["torch_cpu_capability"],
+        "threads": threads,
+        "versions": {"attnperf": attnperf.__version__, "torch": torch.__version__,
+                     "numba": numba_version},
+    }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One measured class and its decision: numba first from `numba_from` = L = S on (None:
+    never, within the lengths measured)."""
+
+    head_dim: int
+    gqa: bool
+    causal: bool
+    backward: bool
+    numba_from: int | None
+    ratios: dict[int, float]  # numba's speed / sdpa's, same run, per length
+
+
+def numba_from(ratios: dict[int, float]) -> int | None:
+    """The shortest length from which numba was at least as fast at every longer length."""
+    start = None
+    for length in sorted(ratios, reverse=True):
+        if ratios[length] < 1.0:
+            break
+        start = length
+    return start
+
+
+def calibrate(
+    lengths: tuple[int, ...] = LENGTHS,
+    rounds: int = 5,
+    threads: int | None = None,
+    on_progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Time numba and sdpa over the classes; the table (not yet written)."""
+    from attnperf.bench import PASSES, BenchConfig, run_sweep
+
+    threads = threads or torch.get_num_threads()
+    rules = []
+    for heads, kv_heads, head_dim in SHAPES:
+        config = BenchConfig(
+            lengths=tuple(lengths), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            causal=(False, True), passes=PASSES, backends=("sdpa", "numba"), rounds=rounds,
+            threads=threads, memory=False,
+        )  # fmt: skip
+        points = run_sweep(config, on_progress)
+        medians = {(p.backend, p.length, p.causal, p.pass_): p.median_s for p in points}
+        for causal in (False, True):
+            for pass_ in PASSES:
+                ratios = {}
+                for length in lengths:
+                    sdpa = medians.get(("sdpa", length, causal, pass_))
+                    numba = medians.get(("numba", length, causal, pass_))
+                    if sdpa and numba:
+                        ratios[length] = round(sdpa / numba, 3)
+                rule = Rule(head_dim, kv_heads != heads, causal, pass_ != "forward",
+                            numba_from(ratios), ratios)  # fmt: skip
+                rules.append(asdict(rule))
+    return {
+        "schema": SCHEMA,
+        "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "fingerprint": fingerprint(threads),
+        "lengths": list(lengths),
+        "rounds": rounds,
+        "rules": rules,
+    }
+
+
+def write_table(table: dict, path: Path | None = None) -> Path:
+    path = path or table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    load_table.cache_clear()
+    return path
+
+
+def _rules(table: dict) -> list[Rule]:
+    """The table's rules, or ValueError when its layout is not this schema's."""
+    if table.get("schema") != SCHEMA:
+        raise ValueError(f"schema {table.get('schema')!r}, this attnperf reads {SCHEMA}")
+    try:
+        rules = [Rule(**{**r, "ratios": {int(k): v for k, v in r["ratios"].items()}})
+                 for r in table["rules"]]  # fmt: skip
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
+        raise ValueError(f"malformed rules ({type(error).__name__}: {error})") from None
+    for rule in rules:
+        if rule.numba_from is not None and not isinstance(rule.numba_from, int):
+            raise ValueError(f"malformed rule {rule}")
+    return rules
+
+
+@functools.cache
+def load_table(path: Path | None = None) -> tuple[dict | None, list[Rule], str]:
+    """(the table or None, its rules, what is in force and why); read once per process.
+
+    A file that is corrupt or not of this schema is ignored with a warning."""
+    path = path or table_path()
+    if not path.exists():
+        return None, [], f"built-in default (sdpa first on CPU): no table at {path}"
+    try:
+        table = json.loads(path.read_text())
+        if not isinstance(table, dict):
+            raise ValueError("not a JSON object")
+        rules = _rules(table)
+    except (OSError, ValueError) as error:
+        message = f"attnperf ignores the tuning table {path}: {error}; run `attnperf tune`"
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return None, [], f"built-in default (sdpa first on CPU): {message}"
+    return table, rules, f"measured table {path} ({table.get('measured', '?')})"
+
+
+@functools.cache
+def _mismatch_warned(path: Path, reason: str) -> None:
+    warnings.warn(
+        f"attnperf ignores the tuning table {path}: {reason}; run `attnperf tune` again",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def active_rules() -> tuple[list[Rule], str]:
+    """The rules "auto" follows now (empty: sdpa first) and a line saying which and why."""
+    path = table_path()
+    table, rules, status = load_table(path)
+    if table is None:
+        return [], status
+    measured, here = table.get("fingerprint", {}), fingerprint()
+    for key in ("cpu_model", "isa_flags", "torch_cpu_capability", "threads", "versions"):
+        if measured.get(key) != here[key]:
+            reason = f"measured with {key} {measured.get(key)!r}, this process has {here[key]!r}"
+            _mismatch_warned(path, reason)
+            return [], f"built-in default (sdpa first on CPU): table {path} {reason}"
+    return rules, status
+
+
+def numba_leads(inputs: AttentionInputs, rules: list[Rule]) -> bool:
+    """Whether the measured rules put numba first for this CPU call.
+
+    Only what was measured counts: fp32 without a mask, a head dim up to a measured one (the
+    next one up stands for it), grouped-query calls only with a (batch, kv head) pair per
+    thread (numba's backward shares its work out by them)."""
+    if inputs.dtype != torch.float32 or inputs.attn_mask is not None:
+        return False
+    gqa = inputs.q_heads != inputs.kv_heads
+    if gqa and inputs.batch * inputs.kv_heads < torch.get_num_threads():
+        return False
+    head_dim = max(inputs.head_dim, inputs.value_dim)
+    fitting = [r for r in rules if r.gqa == gqa and r.head_dim >= head_dim
+               and r.causal == inputs.is_causal and r.backward == inputs.needs_grad]  # fmt: skip
+    if not fitting:
+        return False
+    rule = min(fitting, key=lambda r: r.head_dim)
+    return rule.numba_from is not None and min(inputs.q_len, inputs.kv_len) >= rule.numba_from

@@ -1,0 +1,132 @@
+"""`attnperf tune`'s table: "auto" follows it only when valid here, else sdpa first on CPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnperf import dispatch, tuning
+from attnperf.inputs import prepare
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache directory, the measured machine's 2 threads, no table read yet."""
+    monkeypatch.setenv("ATTNPERF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    tuning.load_table.cache_clear()
+    tuning._mismatch_warned.cache_clear()
+    yield tmp_path
+    tuning.load_table.cache_clear()
+
+
+def measured_table(**changes):
+    """A table as calibrate writes it: numba first from 2048 when causal or training."""
+    rules = [
+        {"head_dim": head_dim, "gqa": gqa, "causal": causal, "backward": backward,
+         "numba_from": 2048 if causal or backward else None, "ratios": {"2048": 1.05}}
+        for head_dim, gqa in ((64, False), (128, False), (64, True))
+        for causal in (False, True)
+        for backward in (False, True)
+    ]  # fmt: skip
+    table = {"schema": tuning.SCHEMA, "measured": "today", "fingerprint": tuning.fingerprint(),
+             "lengths": [1024, 2048], "rounds": 1, "rules": rules}  # fmt: skip
+    table.update(changes)
+    return table
+
+
+def big(length=2048, head_dim=64, requires_grad=False, kv_heads=8):
+    q = torch.empty(1, 8, length, head_dim, requires_grad=requires_grad)
+    k, v = (torch.empty(1, kv_heads, length, head_dim, requires_grad=requires_grad)
+            for _ in range(2))  # fmt: skip
+    return q, k, v
+
+
+CALLS = {
+    "causal-2048": ((big(), {"is_causal": True}), True),
+    "training-2048": ((big(requires_grad=True), {}), True),
+    "inference-full-2048": ((big(), {}), False),
+    "causal-1024": ((big(1024), {"is_causal": True}), False),
+    "head-dim-96-as-128": ((big(head_dim=96), {"is_causal": True}), True),
+    "head-dim-256-unmeasured": ((big(head_dim=256), {"is_causal": True}), False),
+    "masked": ((big(), {"attn_mask": torch.ones(2048, 2048, dtype=torch.bool)}), False),
+    "fp16": ((tuple(t.half() for t in big()), {"is_causal": True}), False),
+    "gqa-2-kv-heads-training": ((big(requires_grad=True, kv_heads=2), {}), True),
+    "gqa-fewer-kv-heads-than-threads": ((big(requires_grad=True, kv_heads=1), {}), False),
+}
+
+
+def order(tensors, options):
+    gqa = tensors[1].shape[1] != tensors[0].shape[1]
+    return dispatch.priority(prepare(*tensors, **options, enable_gqa=gqa))[:2]
+
+
+@pytest.mark.parametrize("call, numba_first", CALLS.values(), ids=CALLS.keys())
+def test_auto_follows_the_measured_table(call, numba_first, cache):
+    tuning.write_table(measured_table(), cache / tuning.FILE_NAME)
+    assert order(*call) == (("numba", "sdpa") if numba_first else ("sdpa", "numba"))
+
+
+def test_without_a_table_cpu_calls_go_to_sdpa_first(cache):
+    for call, _ in CALLS.values():
+        assert order(*call) == ("sdpa", "numba")
+    assert "built-in default" in tuning.active_rules()[1]
+
+
+INVALID = {
+    "corrupt-json": ("{not json", "ignores the tuning table"),
+    "other-schema": (json.dumps(measured_table(schema=0)), "schema 0"),
+    "malformed-rules": (json.dumps(measured_table(rules=[{"head_dim": 64}])), "malformed"),
+    "another-cpu": (
+        json.dumps(measured_table(fingerprint={**tuning.fingerprint(), "cpu_model": "Other"})),
+        "measured with cpu_model 'Other'",
+    ),
+    "other-threads": (
+        json.dumps(measured_table(fingerprint={**tuning.fingerprint(), "threads": 64})),
+        "measured with threads 64",
+    ),
+    "stale-versions": (
+        json.dumps(measured_table(fingerprint={**tuning.fingerprint(),
+                                               "versions": {"attnperf": "0.0.1"}})),
+        "measured with versions",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("text, warning", INVALID.values(), ids=INVALID.keys())
+def test_an_invalid_table_is_ignored_with_a_warning(text, warning, cache):
+    (cache / tuning.FILE_NAME).write_text(text)
+    call, _ = CALLS["causal-2048"]
+    with pytest.warns(RuntimeWarning, match=warning):
+        assert order(*call) == ("sdpa", "numba")
+    assert "built-in default" in tuning.active_rules()[1]
+
+
+@pytest.mark.parametrize(
+    "ratios, expected",
+    [
+        ({1024: 0.9, 2048: 1.02, 4096: 1.1}, 2048),
+        ({1024: 1.1, 2048: 0.95, 4096: 1.1}, 4096),  # faster only from where it stays faster
+        ({1024: 1.1, 2048: 1.2, 4096: 1.0}, 1024),
+        ({1024: 0.9, 2048: 0.99, 4096: 0.98}, None),
+    ],
+)
+def test_numba_first_from_the_length_where_it_stays_faster(ratios, expected):
+    assert tuning.numba_from(ratios) == expected
+
+
+def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
+    """End to end at tiny lengths: the command measures, writes, and info reports it."""
+    env = {"ATTNPERF_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    tune = [sys.executable, "-m", "attnperf", "tune", "--lengths", "64", "128", "--rounds", "1"]
+    result = subprocess.run(tune, capture_output=True, text=True, env=env, timeout=600,
+                            check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = json.loads((tmp_path / tuning.FILE_NAME).read_text())
+    assert len(table["rules"]) == len(tuning.SHAPES) * 4
+    assert all(set(rule["ratios"]) == {"64", "128"} for rule in table["rules"])
+    info = subprocess.run([sys.executable, "-m", "attnperf", "info"], capture_output=True,
+                          text=True, env=env, timeout=300, check=False)  # fmt: skip
+    assert f"measured table {tmp_path / tuning.FILE_NAME}" in info.stdout
