@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -35,13 +37,13 @@ def attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend
         )
     autocast = _autocast_dtype(query)
-    if autocast is None:
-        inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        return dispatch.attend(inputs, backend)
-    # As SDPA under autocast: q, k, v in autocast's dtype; the kernels then run as asked.
-    query, key, value = (t.to(autocast) if t.is_floating_point() else t
-                         for t in (query, key, value))  # fmt: skip
-    with torch.autocast(query.device.type, enabled=False):
+    outside_autocast = contextlib.nullcontext()
+    if autocast is not None:
+        # As SDPA under autocast: q, k, v in autocast's dtype; the kernels then run as asked.
+        query, key, value = (t.to(autocast) if t.is_floating_point() else t
+                             for t in (query, key, value))  # fmt: skip
+        outside_autocast = torch.autocast(query.device.type, enabled=False)
+    with outside_autocast:
         inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return dispatch.attend(inputs, backend)
 

@@ -107,7 +107,7 @@ class FusedBackend(Backend):
     """A fused kernel served through FusedAttention: subclasses set `forward` and
     `backward`, its two launchers (staticmethods)."""
 
-    forward: Callable[[AttentionInputs], tuple[Tensor, Tensor]]
+    forward: Callable[[AttentionInputs], tuple[Tensor, Tensor]]  # -> (out, stats)
     backward: Callable[..., tuple[Tensor | None, ...]]
 
     def run(self, inputs: AttentionInputs) -> Tensor:
@@ -118,12 +118,12 @@ class FusedBackend(Backend):
 
 
 class FusedAttention(torch.autograd.Function):
-    """Autograd over a fused kernel's two launchers: (out, lse) from
+    """Autograd over a fused kernel's two launchers: (out, stats) from
     apply((forward, backward), inputs, query, key, value, attn_mask), where
-    forward(inputs) -> (out, lse) and backward(inputs, out, lse, grad_out) ->
-    (dq, dk, dv, dmask or None).
+    forward(inputs) -> (out, stats) and backward(inputs, out, stats, grad_out) ->
+    (dq, dk, dv, dmask or None); stats are the kernel's per-row softmax statistics.
 
-    Saves the inputs and (out, lse), never L x S, through save_for_backward, so that an
+    Saves the inputs and (out, stats), never L x S, through save_for_backward, so that an
     in-place edit after the forward raises in backward as it does for SDPA. Double backward
     raises a clear error when reached; torch.vmap folds its dim into the batch.
     """
@@ -140,11 +140,11 @@ class FusedAttention(torch.autograd.Function):
         ctx.mark_non_differentiable(output[1])
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        query, key, value, attn_mask, out, lse = ctx.saved_tensors  # checks in-place edits
+    def backward(ctx, grad_out, _grad_stats):
+        query, key, value, attn_mask, out, stats = ctx.saved_tensors  # checks in-place edits
         inputs = replace(ctx.call, query=query, key=key, value=value, attn_mask=attn_mask)
         with torch.no_grad():
-            grads = ctx.launch_backward(inputs, out, lse, grad_out)
+            grads = ctx.launch_backward(inputs, out, stats, grad_out)
         saved = (grad_out, query, key, value, attn_mask)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in saved):
             grads = _refuse_double_backward(grads)
@@ -163,8 +163,8 @@ class FusedAttention(torch.autograd.Function):
         tensors = (query, key, value, attn_mask)
         q, k, v, m = (fold(t, d) for t, d in zip(tensors, in_dims[2:], strict=True))
         folded = replace(inputs, query=q, key=k, value=v, attn_mask=m)
-        out, lse = FusedAttention.apply(launchers, folded, q, k, v, m)
-        return (out.unflatten(0, (size, batch)), lse.unflatten(0, (size, batch))), (0, 0)
+        out, stats = FusedAttention.apply(launchers, folded, q, k, v, m)
+        return (out.unflatten(0, (size, batch)), stats.unflatten(0, (size, batch))), (0, 0)
 
 
 def _refuse_double_backward(grads):

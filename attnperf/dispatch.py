@@ -55,14 +55,20 @@ def priority(inputs: AttentionInputs) -> tuple[str, ...]:
     return tuple(name for name in order if name in known)
 
 
-def select(inputs: AttentionInputs, backend: str = "auto") -> Backend:
-    """The backend that serves `inputs`: the named one, or the first fitting one for "auto"."""
-    known = registry()
+def check_name(backend: object) -> None:
+    """Raise unless `backend` is "auto" or a registered backend's name."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    known = registry()
+    if backend != "auto" and backend not in known:
+        raise ValueError(f"unknown backend {backend!r}; known: auto, {', '.join(known)}")
+
+
+def select(inputs: AttentionInputs, backend: str = "auto") -> Backend:
+    """The backend that serves `inputs`: the named one, or the first fitting one for "auto"."""
+    check_name(backend)
+    known = registry()
     if backend != "auto":
-        if backend not in known:
-            raise ValueError(f"unknown backend {backend!r}; known: auto, {', '.join(known)}")
         reasons = known[backend].not_supported_reasons(inputs)
         if reasons:
             raise BackendNotSupportedError(

@@ -77,6 +77,12 @@ class AttentionInputs:
         return self.value.shape[3]
 
     @property
+    def has_pairs(self) -> bool:
+        """Whether any (query, key) pair exists: zero-size batch, heads or lengths have none
+        (head dim 0 still has pairs, of score 0)."""
+        return self.batch * self.q_heads * self.q_len * self.kv_len > 0
+
+    @property
     def needs_grad(self) -> bool:
         tensors = (self.query, self.key, self.value, self.attn_mask)
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

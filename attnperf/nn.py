@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from attnperf.api import attention
-from attnperf.dispatch import registry
+from attnperf.dispatch import check_name
 
 
 class SelfAttention(nn.Module):
@@ -52,9 +52,7 @@ class SelfAttention(nn.Module):
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        known = registry()
-        if backend != "auto" and backend not in known:
-            raise ValueError(f"unknown backend {backend!r}; known: auto, {', '.join(known)}")
+        check_name(backend)
         self.num_heads, self.num_kv_heads = int(num_heads), int(num_kv_heads)
         self.head_dim = int(embed_dim) // self.num_heads
         self.causal, self.dropout, self.backend = causal, dropout, backend
@@ -102,7 +100,7 @@ class SelfAttention(nn.Module):
         for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
             if mask is not None and not isinstance(mask, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
-        masks = []  # (kind, tensor): bool means "takes part", float is added
+        masks = []  # bool: True takes part; float: added to the scores
         if attn_mask is not None:
             if attn_mask.dim() not in (2, 4):
                 raise ValueError(

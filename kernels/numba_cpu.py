@@ -534,11 +534,6 @@ def _run_parallel(kernel, *args) -> None:
         kernel(*args)
 
 
-def _has_work(inputs: AttentionInputs) -> bool:
-    """Whether any (query, key) pair exists: zero-size batch, heads or lengths have none."""
-    return inputs.batch * inputs.q_heads * inputs.q_len * inputs.kv_len > 0
-
-
 def _float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, np.ndarray]:
     """A new fp32 torch tensor and a numpy view of its memory for the kernels to write.
 
@@ -570,7 +565,7 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
     q, k, v = _fp32(inputs.query), _fp32(inputs.key), _fp32(inputs.value)
     mask, mask_kind = _mask_for_kernel(inputs)
-    no_work = not _has_work(inputs)  # then zeros: no key is seen
+    no_work = not inputs.has_pairs  # then zeros: no key is seen
     out, out_array = _float32_array((*q.shape[:3], v.shape[3]), zero=no_work)
     stats, stats_array = _float32_array((*q.shape[:3], 2), zero=no_work)
     if not no_work:
@@ -616,7 +611,7 @@ def numba_attention_backward(
     dmask, dmask_array = _float32_array(mask.shape if want_dmask else (1, 1, 1, 1), zero=True)
     if fused is None:
         fused = fused_backward_pays(inputs.batch * inputs.kv_heads, torch.get_num_threads())
-    if _has_work(inputs):
+    if inputs.has_pairs:
         common = (q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale, stats, do, delta)
         blocks = (BLOCK_M, BLOCK_N)
         if fused:

@@ -474,7 +474,7 @@ def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     out_dtype = _store_dtype(q.dtype)
     out = torch.empty((*q.shape[:3], inputs.value_dim), dtype=out_dtype, device=q.device)
     stats = torch.empty((*q.shape[:3], 2), dtype=torch.float32, device=q.device)
-    if batch * q_heads * q_len * inputs.kv_len == 0:  # no key is seen (E = 0 has keys)
+    if not inputs.has_pairs:  # no key is seen
         return out.zero_().to(q.dtype), stats.zero_()
     mask, mask_strides, mask_kind = _mask_args(inputs, q)
     grid = lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), batch * q_heads)  # noqa: E731
@@ -503,7 +503,7 @@ def triton_attention_backward(
     dmask = None  # the float mask's gradient, (B, Hq, L, S) by nature: only when wanted
     if want_dmask:
         dmask = torch.zeros((batch, q_heads, q_len, kv_len), dtype=torch.float32, device=q.device)
-    if batch * q_heads * q_len * kv_len == 0:  # E = 0 still has work: P from zero scores
+    if not inputs.has_pairs:
         return _finish_grads(inputs, dq, dk, dv, dmask)
     grad_out = grad_out.contiguous()
     out = out.contiguous()
