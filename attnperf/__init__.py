@@ -1,8 +1,19 @@
 """attnperf: exact, fast attention kernels behind one SDPA-compatible call."""
 
-from attnperf import nn
-from attnperf.api import attention, backends, choose_backend
+from attnperf import layouts, nn
+from attnperf.api import attention, backends, choose_backend, merge_attention
 from attnperf.dispatch import BackendNotSupportedError
+from attnperf.layouts import BlockMask, block_mask
 
-__all__ = ["BackendNotSupportedError", "attention", "backends", "choose_backend", "nn"]
+__all__ = [
+    "BackendNotSupportedError",
+    "BlockMask",
+    "attention",
+    "backends",
+    "block_mask",
+    "choose_backend",
+    "layouts",
+    "merge_attention",
+    "nn",
+]
 __version__ = "0.1.0"

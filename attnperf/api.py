@@ -9,6 +9,7 @@ from torch import Tensor
 
 from attnperf import dispatch, ops
 from attnperf.inputs import prepare
+from attnperf.layouts import BlockMask
 
 
 def attention(
@@ -22,17 +23,52 @@ def attention(
     enable_gqa: bool = False,
     *,
     backend: str = "auto",
-) -> Tensor:
-    """Drop-in for torch's scaled_dot_product_attention, served by `backend`.
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    block_mask: BlockMask | None = None,
+    align: str = "top_left",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Drop-in for torch's scaled_dot_product_attention, served by `backend`, with
+    FlashAttention's variants.
 
     query (N, ..., Hq, L, E), key (N, ..., H, S, E), value (N, ..., H, S, Ev) ->
     (N, ..., Hq, L, Ev). Same semantics as SDPA: a bool mask's True takes part, a float
-    mask is added to the scores, is_causal is top-left aligned, scale defaults to
-    1/sqrt(E), enable_gqa lets H divide Hq. Fully masked rows and empty key sequences
-    give zeros. `backend` is "auto" or a name from `backends()`. Under torch.compile it is
-    one custom op (`torch.ops.attnperf.attention`), traced without graph breaks.
+    mask is added to the scores, scale defaults to 1/sqrt(E), enable_gqa lets H divide Hq.
+    attn_mask may also be torch's causal_upper_left / causal_lower_right objects.
+
+    Variants (keyword-only), with o = 0 for align="top_left" (SDPA's) and o = S - L for
+    "bottom_right" (FlashAttention's, every KV-cache step's):
+    - is_causal: query i sees key j iff j <= i + o.
+    - window=(left, right): query i sees key j iff i + o - left <= j <= i + o + right
+      (inclusive; None: unbounded side); (W - 1, 0) is a sliding window of W keys. With
+      is_causal the right side is 0 whatever is given.
+    - softcap=c > 0: each score s = scale * q.k becomes c * tanh(s / c), before masks and
+      ALiBi; gradients go through the tanh.
+    - alibi_slopes: float32 (Hq,) or (*batch, Hq); adds -slope * |i + o - j| after the
+      softcap (no gradient for the slopes).
+    - block_mask: an attnperf.BlockMask layout, intersected with everything above.
+    - return_lse: return (out, lse), lse (N, ..., Hq, L) float32, the natural-log
+      log-sum-exp of each row's final scores, -inf for a row that sees no key;
+      differentiable.
+    Rows that see no key give zeros. `backend` is "auto" or a name from `backends()`.
+    Under torch.compile a call without variants is one custom op
+    (`torch.ops.attnperf.attention`), traced without graph breaks.
     """
+    variants = {
+        "window": window, "softcap": softcap, "alibi_slopes": alibi_slopes,
+        "block_mask": block_mask, "align": align, "return_lse": return_lse,
+    }  # fmt: skip
     if torch.compiler.is_compiling():
+        defaults = {"align": "top_left", "return_lse": False}
+        asked = [name for name, value in variants.items() if value is not defaults.get(name)]
+        if asked:
+            raise NotImplementedError(
+                f"attnperf.attention's variants ({', '.join(asked)}) are not traceable by "
+                "torch.compile yet; call it outside the compiled region "
+                "(torch.compiler.disable)"
+            )
         return ops.attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend
         )
@@ -44,7 +80,9 @@ def attention(
                              for t in (query, key, value))  # fmt: skip
         outside_autocast = torch.autocast(query.device.type, enabled=False)
     with outside_autocast:
-        inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        inputs = prepare(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **variants
+        )
         return dispatch.attend(inputs, backend)
 
 
@@ -67,12 +105,52 @@ def choose_backend(
     enable_gqa: bool = False,
     *,
     backend: str = "auto",
+    **variants: object,
 ) -> str:
-    """The name of the backend that `attention` would run for these arguments."""
-    inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    """The name of the backend that `attention` would run for these arguments (the variant
+    keywords as `attention` takes them)."""
+    inputs = prepare(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **variants
+    )
     return dispatch.select(inputs, backend).name
 
 
 def backends() -> list[dict[str, object]]:
     """The capability table: one dict per backend (name, availability, devices, dtypes, ...)."""
     return [backend.describe() for backend in dispatch.registry().values()]
+
+
+def merge_attention(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Exact attention of the same queries over the union of disjoint key sets, from each
+    set's (out (..., L, Ev), lse (..., L)): lse = logsumexp_i lse_i, out = sum_i
+    exp(lse_i - lse) * out_i. Parts whose LSE is -inf (no key seen) weigh 0; a row no part
+    sees gives out 0, lse -inf. Computed in float32 (float64 for float64 parts) and
+    differentiable; out in the parts' dtype, lse float32 (float64 for float64)."""
+    if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise TypeError("outs and lses must be lists of tensors")
+    if len(outs) != len(lses) or not outs:
+        raise ValueError(f"outs and lses must be non-empty and of one length, got "
+                         f"{len(outs)} and {len(lses)}")  # fmt: skip
+    for i, (out, lse) in enumerate(zip(outs, lses, strict=True)):
+        if not isinstance(out, Tensor) or not isinstance(lse, Tensor):
+            raise TypeError(f"outs[{i}] and lses[{i}] must be tensors")
+        if out.shape != outs[0].shape:
+            raise ValueError(f"outs[{i}] has shape {tuple(out.shape)}, outs[0] "
+                             f"{tuple(outs[0].shape)}")  # fmt: skip
+        if lse.shape != out.shape[:-1]:
+            raise ValueError(f"lses[{i}] must have shape {tuple(out.shape[:-1])} (outs[{i}] "
+                             f"without its last dim), got {tuple(lse.shape)}")  # fmt: skip
+    wide = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
+    stacked = torch.stack([lse.to(wide) for lse in lses])
+    # Shifted by the largest part (0 where every part is -inf: weights 0, never NaN, in the
+    # forward or the backward, which torch.logsumexp gives there).
+    largest = stacked.amax(0).detach()
+    shift = torch.where(largest > float("-inf"), largest, 0.0)
+    scaled = torch.exp(stacked - shift)
+    total = scaled.sum(0)
+    seen = total > 0
+    total = torch.where(seen, total, 1.0)
+    lse = torch.where(seen, shift + torch.log(total), float("-inf"))
+    weights = scaled / total
+    out = sum(w.unsqueeze(-1) * o.to(wide) for w, o in zip(weights, outs, strict=True))
+    return out.to(outs[0].dtype), lse

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -18,6 +19,24 @@ DTYPE_NAMES = {
 }
 
 
+# Every feature a call may need, with the words a refusal uses. A backend serves only what
+# it declares: a feature nobody declared is refused everywhere, with its reason.
+FEATURES = {
+    "bool_mask": "bool attn_mask",
+    "float_mask": "float attn_mask",
+    "causal": "is_causal",
+    "window": "window",
+    "bottom_right": "align='bottom_right' with L != S",
+    "softcap": "softcap",
+    "alibi": "alibi_slopes",
+    "block_mask": "block_mask",
+    "lse": "return_lse",
+    "gqa": "grouped-query attention",
+    "dropout": "dropout_p > 0",
+    "backward": "backward (inputs require grad)",
+}
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can serve, as data: dispatch, `attnperf info` and the tests read it."""
@@ -25,16 +44,12 @@ class Capabilities:
     devices: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...]
     max_head_dim: int | None  # None: any head dim
-    bool_mask: bool
-    float_mask: bool
-    causal: bool
-    gqa: bool
-    dropout: bool
-    backward: bool
+    features: frozenset[str]
 
-    def features(self) -> list[str]:
-        flags = ("bool_mask", "float_mask", "causal", "gqa", "dropout", "backward")
-        return [flag for flag in flags if getattr(self, flag)]
+    def __post_init__(self):
+        unknown = self.features - FEATURES.keys()
+        if unknown:
+            raise ValueError(f"unknown features {sorted(unknown)}; known: {list(FEATURES)}")
 
 
 class Backend:
@@ -56,7 +71,8 @@ class Backend:
         return self.capability_reasons(inputs)
 
     def capability_reasons(self, inputs: AttentionInputs) -> list[str]:
-        """The reasons that follow from the declarations alone, available or not."""
+        """The reasons that follow from the declarations alone, available or not: device,
+        dtype, head dim, then each requested feature not declared."""
         caps = self.capabilities
         reasons = []
         if inputs.device.type not in caps.devices:
@@ -67,26 +83,17 @@ class Backend:
         largest = max(inputs.head_dim, inputs.value_dim)
         if caps.max_head_dim is not None and largest > caps.max_head_dim:
             reasons.append(f"head dim {largest} > {caps.max_head_dim}")
-        if inputs.mask_kind == "bool" and not caps.bool_mask:
-            reasons.append("bool attn_mask not supported")
-        if inputs.mask_kind == "float" and not caps.float_mask:
-            reasons.append("float attn_mask not supported")
-        if inputs.is_causal and not caps.causal:
-            reasons.append("is_causal not supported")
-        if inputs.q_heads != inputs.kv_heads and not caps.gqa:
-            reasons.append("grouped-query attention not supported")
-        if inputs.dropout_p > 0 and not caps.dropout:
-            reasons.append("dropout_p > 0 not supported")
-        if inputs.needs_grad and not caps.backward:
-            reasons.append("backward (inputs require grad) not supported")
+        missing = inputs.features() - caps.features
+        reasons += [f"{FEATURES[f]} not supported" for f in FEATURES if f in missing]
         return reasons + self.extra_reasons(inputs)
 
     def extra_reasons(self, inputs: AttentionInputs) -> list[str]:
         """Limits that the declared capabilities cannot express."""
         return []
 
-    def run(self, inputs: AttentionInputs) -> Tensor:
-        """Attention output (B, Hq, L, Ev) for inputs this backend has accepted."""
+    def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
+        """(output (B, Hq, L, Ev), natural-log LSE (B, Hq, L) float32 when the call asked for
+        it, else None) for inputs this backend has accepted."""
         raise NotImplementedError
 
     def describe(self) -> dict[str, object]:
@@ -99,29 +106,45 @@ class Backend:
             "devices": list(caps.devices),
             "dtypes": [DTYPE_NAMES[d] for d in caps.dtypes],
             "max_head_dim": caps.max_head_dim,
-            "features": caps.features(),
+            "features": [f for f in FEATURES if f in caps.features],
         }
+
+
+def stats_from_lse(lse: Tensor) -> Tensor:
+    """A fused kernel's (max, sum) statistics (B, Hq, L, 2) standing for given natural-log
+    LSEs: (lse * log2(e), 1), or (0, 0) for -inf. The backward launchers take them, so a
+    caller may run a block's backward against the LSE of a larger attention (ring attention)."""
+    finite = lse > float("-inf")
+    row_max = torch.where(finite, lse.float() * math.log2(math.e), 0.0)
+    return torch.stack((row_max, finite.float()), -1)
 
 
 class FusedBackend(Backend):
     """A fused kernel served through FusedAttention: subclasses set `forward` and
-    `backward`, its two launchers (staticmethods)."""
+    `backward`, its two launchers (staticmethods), which are also its interface for split-K
+    decoding and ring attention:
 
-    forward: Callable[[AttentionInputs], tuple[Tensor, Tensor]]  # -> (out, stats)
+    forward(inputs) -> (out (B, Hq, L, Ev), stats (B, Hq, L, 2) float32: each row's max in
+    base 2 and its sum of 2 ** (score - max); (0, 0) for a row that sees no key);
+    backward(inputs, out, stats, grad_out, grad_lse or None) -> (dq, dk, dv, dmask or None).
+    `inputs.lse_from_stats` and `stats_from_lse` convert between stats and natural-log LSEs.
+    """
+
+    forward: Callable[[AttentionInputs], tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor | None, ...]]
 
-    def run(self, inputs: AttentionInputs) -> Tensor:
+    def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
         launchers = (self.forward, self.backward)
-        return FusedAttention.apply(
+        out, lse, _ = FusedAttention.apply(
             launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask
-        )[0]
+        )
+        return out, lse if inputs.variant.return_lse else None
 
 
 class FusedAttention(torch.autograd.Function):
-    """Autograd over a fused kernel's two launchers: (out, stats) from
-    apply((forward, backward), inputs, query, key, value, attn_mask), where
-    forward(inputs) -> (out, stats) and backward(inputs, out, stats, grad_out) ->
-    (dq, dk, dv, dmask or None); stats are the kernel's per-row softmax statistics.
+    """Autograd over a fused kernel's two launchers: (out, lse, stats) from
+    apply((forward, backward), inputs, query, key, value, attn_mask); lse (natural log,
+    empty unless the call asked for it) is differentiable, stats are not.
 
     Saves the inputs and (out, stats), never L x S, through save_for_backward, so that an
     in-place edit after the forward raises in backward as it does for SDPA. Double backward
@@ -130,22 +153,31 @@ class FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(launchers, inputs: AttentionInputs, query, key, value, attn_mask):
-        return launchers[0](inputs)
+        out, stats = launchers[0](inputs)
+        # Only when asked: a torch op between two numba kernels costs the second one (see
+        # numba_cpu._float32_array).
+        lse = inputs.lse_from_stats(stats) if inputs.variant.return_lse else stats.new_empty(0)
+        return out, lse, stats
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         launchers, call, query, key, value, attn_mask = inputs
         ctx.launch_backward, ctx.call = launchers[1], call
-        ctx.save_for_backward(query, key, value, attn_mask, *output)
-        ctx.mark_non_differentiable(output[1])
+        out, lse, stats = output
+        ctx.save_for_backward(query, key, value, attn_mask, out, stats)
+        ctx.mark_non_differentiable(stats)
+        if not call.variant.return_lse:
+            ctx.mark_non_differentiable(lse)
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_stats):
+    def backward(ctx, grad_out, grad_lse, _grad_stats):
         query, key, value, attn_mask, out, stats = ctx.saved_tensors  # checks in-place edits
         inputs = replace(ctx.call, query=query, key=key, value=value, attn_mask=attn_mask)
+        if not inputs.variant.return_lse:
+            grad_lse = None  # nobody saw the LSE: its gradient is zeros
         with torch.no_grad():
-            grads = ctx.launch_backward(inputs, out, stats, grad_out)
-        saved = (grad_out, query, key, value, attn_mask)
+            grads = ctx.launch_backward(inputs, out, stats, grad_out, grad_lse)
+        saved = (grad_out, grad_lse, query, key, value, attn_mask)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in saved):
             grads = _refuse_double_backward(grads)
         return None, None, *grads
@@ -162,9 +194,17 @@ class FusedAttention(torch.autograd.Function):
 
         tensors = (query, key, value, attn_mask)
         q, k, v, m = (fold(t, d) for t, d in zip(tensors, in_dims[2:], strict=True))
-        folded = replace(inputs, query=q, key=k, value=v, attn_mask=m)
-        out, stats = FusedAttention.apply(launchers, folded, q, k, v, m)
-        return (out.unflatten(0, (size, batch)), stats.unflatten(0, (size, batch))), (0, 0)
+        variant = inputs.variant
+        if variant.alibi_slopes is not None:  # (B, Hq): the same slopes for every vmapped item
+            variant = replace(variant, alibi_slopes=variant.alibi_slopes.repeat(size, 1))
+        if variant.block_mask is not None and variant.block_mask.shape[0] != 1:
+            raise NotImplementedError("torch.vmap over a call with a per-batch block_mask")
+        folded = replace(inputs, query=q, key=k, value=v, attn_mask=m, variant=variant)
+        out, lse, stats = FusedAttention.apply(launchers, folded, q, k, v, m)
+        out, stats = out.unflatten(0, (size, batch)), stats.unflatten(0, (size, batch))
+        if not variant.return_lse:  # empty: not batched
+            return (out, lse, stats), (0, None, 0)
+        return (out, lse.unflatten(0, (size, batch)), stats), (0, 0, 0)
 
 
 def _refuse_double_backward(grads):

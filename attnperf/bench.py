@@ -13,6 +13,7 @@ worker's thread pools after the others' turns, then the timed one.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -32,6 +33,11 @@ WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 PASSES = ("forward", "forward+backward")
 BACKWARD_FLOP_FACTOR = 2.5  # backward = 2.5x forward (FlashAttention's accounting)
+BLOCK_MASKS = ("causal", "sliding", "document", "prefix")
+DOCUMENT_LENGTH = 1024  # --block-mask document: packed documents of this many tokens
+# Peers measured beside the backends, not backends themselves ("auto" never picks them):
+# FlexAttention compiled by torch.compile; on CPU inference only.
+PEERS = ("flex",)
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,19 @@ class BenchConfig:
     rounds: int = 5
     threads: int = field(default_factory=torch.get_num_threads)
     memory: bool = True  # also measure each point's peak extra memory
+    # The variant of every call: a sliding window of `window` keys, (window - 1, 0); a
+    # softcap; ALiBi with the standard slopes; a block layout from BLOCK_MASKS.
+    window: int | None = None
+    softcap: float | None = None
+    alibi: bool = False
+    block_mask: str | None = None
+
+    def describe_variant(self) -> str:
+        parts = [f"window {self.window}" if self.window else "",
+                 f"softcap {self.softcap:g}" if self.softcap else "",
+                 "ALiBi" if self.alibi else "",
+                 f"block mask {self.block_mask}" if self.block_mask else ""]  # fmt: skip
+        return ", ".join(part for part in parts if part)
 
 
 @dataclass
@@ -67,6 +86,7 @@ class Measurement:
     max_s: float | None = None
     first_call_s: float | None = None
     peak_extra_bytes: int | None = None
+    note: str = ""
     flops: float = 0.0
     times_s: list[float] = field(default_factory=list)
 
@@ -82,10 +102,53 @@ class Measurement:
 
 
 def attention_flops(config: BenchConfig, length: int, causal: bool, pass_: str) -> float:
-    """4 B H L S E for the forward pass, half of it when causal, x3.5 with the backward."""
-    forward = 4.0 * config.batch * config.heads * length * length * config.head_dim
-    forward /= 2 if causal else 1
+    """The useful work: 4 B H E per (query, key) pair that the call lets take part (L S,
+    half of it when causal, fewer with a window or a block layout), x3.5 with the backward."""
+    pairs = length * length / (2 if causal else 1)
+    if config.window is not None:  # rows see min(i + 1, W) keys (and fewer if causal)
+        width = min(config.window, length)
+        pairs = min(pairs, width * length - width * (width - 1) / 2)
+    if config.block_mask is not None:
+        pairs = min(pairs, block_layout(config, length).allowed_pairs())
+    forward = 4.0 * config.batch * config.heads * pairs * config.head_dim
     return forward * (1 + BACKWARD_FLOP_FACTOR) if pass_ == "forward+backward" else forward
+
+
+def mask_fn(config: BenchConfig, length: int):
+    """The `mask_fn` of the sweep's --block-mask at this length."""
+    from attnperf import layouts
+
+    if config.block_mask == "causal":
+        return layouts.causal()
+    if config.block_mask == "sliding":
+        return layouts.sliding_window(config.window or 256)
+    if config.block_mask == "document":
+        offsets = torch.arange(0, length + DOCUMENT_LENGTH, DOCUMENT_LENGTH).clamp(max=length)
+        return layouts.document(offsets.unique(), is_causal=True)
+    return layouts.prefix_lm(length // 4)
+
+
+def block_layout(config: BenchConfig, length: int):
+    """The sweep's BlockMask at this length (same for every batch and head)."""
+    from attnperf import block_mask
+
+    return block_mask(mask_fn(config, length), None, None, length, length)
+
+
+def variant_kwargs(config: BenchConfig, length: int) -> dict:
+    """`attention`'s variant keywords for this sweep and length."""
+    kwargs = {}
+    if config.window is not None:
+        kwargs["window"] = (config.window - 1, 0)
+    if config.softcap is not None:
+        kwargs["softcap"] = config.softcap
+    if config.alibi:
+        from attnperf.nn import alibi_slopes
+
+        kwargs["alibi_slopes"] = torch.tensor(alibi_slopes(config.heads), device=config.device)
+    if config.block_mask is not None:
+        kwargs["block_mask"] = block_layout(config, length).to(config.device)
+    return kwargs
 
 
 # ---------------------------------------------------------------------------- memory
@@ -154,9 +217,6 @@ def measure_point(
 ) -> Measurement:
     """Set up one point in this process: its first call and a warm-up call, then with
     `memory` its peak extra memory; else it stays ready for `time_turn`."""
-    import attnperf
-    from attnperf import dispatch
-    from attnperf.inputs import prepare
 
     global _READY
     _READY = None
@@ -176,15 +236,19 @@ def measure_point(
     backward = pass_ == "forward+backward"
     for tensor in (q, k, v):
         tensor.requires_grad_(backward)
-    inputs = prepare(q, k, v, is_causal=causal, enable_gqa=gqa)
-    reasons = dispatch.registry()[backend].not_supported_reasons(inputs)
-    if reasons:
-        point.status = "not supported: " + "; ".join(reasons)
+    variant = variant_kwargs(config, length)
+    if backend in PEERS:
+        attend, reason = flex_peer(config, length, causal, backward, variant, gqa)
+    else:
+        attend, reason = backend_call(backend, q, k, v, causal, gqa, variant)
+    if reason:
+        point.status = "not supported: " + reason
         return point
+    point.note = getattr(attend, "note", "")
     grad_out = torch.randn(shape, generator=gen).to(config.device, dtype)
 
     def call():
-        out = attnperf.attention(q, k, v, is_causal=causal, enable_gqa=gqa, backend=backend)
+        out = attend(q, k, v)
         if backward:
             q.grad = k.grad = v.grad = None
             out.backward(grad_out)
@@ -199,6 +263,87 @@ def measure_point(
     else:
         _READY = (timer, call)
     return point
+
+
+def backend_call(backend: str, q, k, v, causal: bool, gqa: bool, variant: dict):
+    """(attend(q, k, v), None) running `backend`, or (None, why it cannot).
+
+    sdpa's peer call gets the variant as a user of SDPA would pass it: a mask materialised
+    once, before the timed calls (its build is not timed; its memory is reported apart).
+    """
+    import attnperf
+    from attnperf import dispatch
+    from attnperf.inputs import prepare
+
+    inputs = prepare(q, k, v, is_causal=causal, enable_gqa=gqa, **variant)
+    reasons = dispatch.registry()[backend].not_supported_reasons(inputs)
+    if reasons:
+        return None, "; ".join(reasons)
+    if backend == "sdpa" and variant:
+        from attnperf.kernels.reference import variant_masks
+        from attnperf.kernels.sdpa import materialised_mask
+
+        allowed, alibi = variant_masks(inputs, inputs.dtype)
+        if causal:  # SDPA takes a mask or is_causal, not both: the causal band joins the mask
+            band = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            allowed = band if allowed is None else allowed & band
+        mask = materialised_mask(inputs, allowed, alibi)
+        attend = lambda q, k, v: attnperf.attention(  # noqa: E731
+            q, k, v, attn_mask=mask, enable_gqa=gqa, backend="sdpa"
+        )  # fmt: skip
+        attend.note = f"+{mask.numel() * mask.element_size() / 2**20:.1f} MiB mask built once"
+        return attend, None
+    return lambda q, k, v: attnperf.attention(
+        q, k, v, is_causal=causal, enable_gqa=gqa, backend=backend, **variant
+    ), None  # fmt: skip
+
+
+def flex_peer(config: BenchConfig, length: int, causal: bool, backward: bool, variant: dict,
+              gqa: bool):  # fmt: skip
+    """(attend(q, k, v), None) with torch's FlexAttention compiled, the call's variant as its
+    block mask and score_mod, or (None, why it cannot)."""
+    if backward and not config.device.startswith("cuda"):
+        return None, "flex: FlexAttention on CPU is inference only (no backward)"
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as error:
+        return None, f"flex: torch has no FlexAttention ({error})"
+    window = config.window
+    layout_fn = mask_fn(config, length) if config.block_mask else None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = q_idx >= 0  # all True, as a tensor
+        if causal or window is not None:
+            allowed = allowed & (kv_idx <= q_idx)
+        if window is not None:
+            allowed = allowed & (q_idx - kv_idx < window)
+        if layout_fn is not None:
+            allowed = allowed & layout_fn(b, h, q_idx, kv_idx)
+        return allowed
+
+    softcap = config.softcap
+    slopes = variant.get("alibi_slopes")
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        if slopes is not None:
+            score = score - slopes[h] * (q_idx - kv_idx).abs()
+        return score
+
+    structured = causal or window is not None or layout_fn is not None
+    block_mask = None
+    if structured:
+        block_mask = create_block_mask(mask_mod, None, None, length, length,
+                                       device=config.device)  # fmt: skip
+    compiled = torch.compile(flex_attention)
+    modify = score_mod if softcap is not None or slopes is not None else None
+
+    def attend(q, k, v):
+        with contextlib.nullcontext() if backward else torch.no_grad():
+            return compiled(q, k, v, score_mod=modify, block_mask=block_mask, enable_gqa=gqa)
+
+    return attend, None
 
 
 _READY: tuple[Callable, Callable] | None = None  # the worker's point set up for timing
@@ -292,6 +437,7 @@ def run_sweep(
                 progress(memory_point, "memory")
                 point = timed[backend, spec]
                 point.peak_extra_bytes = memory_point.peak_extra_bytes
+                point.note = point.note or memory_point.note
                 results.append(point)
         finally:
             watcher.shutdown()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
 
 import attnperf
 from attnperf import dispatch
+from attnperf.bench import BLOCK_MASKS, DOCUMENT_LENGTH, PEERS
 
 
 def info_table() -> str:
@@ -115,6 +117,10 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
         device=args.device,
         rounds=args.rounds if args.rounds is not None else (7 if args.quick else 5),
         threads=args.threads or torch.get_num_threads(),
+        window=args.window,
+        softcap=args.softcap,
+        alibi=args.alibi,
+        block_mask=args.block_mask,
     )
     console = Console(width=None if sys.stdout.isatty() else 160)  # CI logs: no wrapping
     points_per_backend = len(config.lengths) * len(config.causal) * len(config.passes)
@@ -142,6 +148,8 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
         else (f"cpu {cpu['cpu_model']} ({cpu['vector_isa']})")
     )
     title = f"attnperf bench: {config.dtype}, {shape}, {config.threads} threads, {device}"
+    if config.describe_variant():
+        title += f"; {config.describe_variant()}"
     show(table_rows(report), title)
     if left_out_note(report):
         console.print(left_out_note(report), highlight=False)
@@ -166,6 +174,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0, with a one-line message otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
     return value
 
 
@@ -240,8 +259,22 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--causal", default="no", choices=["no", "yes", "both"])
     b.add_argument("--pass", dest="pass_", default="both",
                    choices=["forward", "forward+backward", "both"])  # fmt: skip
-    b.add_argument("--backends", nargs="+", choices=list(dispatch.registry()),
-                   help="default: every registered backend")  # fmt: skip
+    b.add_argument("--backends", nargs="+", choices=[*dispatch.registry(), *PEERS],
+                   help="default: every registered backend; 'flex': torch's FlexAttention "
+                        "compiled, as a peer")  # fmt: skip
+    b.add_argument(
+        "--window",
+        type=positive_int,
+        help="a sliding window of W keys, the query's own included: (W - 1, 0)",
+    )
+    b.add_argument("--softcap", type=positive_float, help="softcap every call at this value")
+    b.add_argument("--alibi", action="store_true", help="ALiBi with the standard slopes")
+    b.add_argument(
+        "--block-mask",
+        choices=BLOCK_MASKS,
+        help="a block-sparse layout: causal, sliding (--window or 256 keys), "
+        f"document ({DOCUMENT_LENGTH}-token documents), prefix (L/4 prefix LM)",
+    )
     b.add_argument("--device", type=device_name, default="cpu")
     b.add_argument("--rounds", type=positive_int,
                    help="timed rounds per point (default 5, quick 7)")  # fmt: skip

@@ -18,19 +18,27 @@ PRIORITY = {
     "cpu": ("sdpa", "numba", "reference"),
 }
 CPU_NUMBA_FIRST = ("numba", "sdpa", "reference")
+# Variants that sdpa serves only through an L x S mask built per call, where numba skips
+# what is masked: numba first whatever the table says. `attnperf bench --backends sdpa numba
+# --lengths 1024 2048 4096 8192 16384 --window 256 --causal yes`: numba 2.2x / 6.0x / 16.5x /
+# 41x / 89x sdpa's speed forward, 2.6x to 53x forward+backward (2-core AVX-512 machine).
+MASKED_BY_SDPA = frozenset({"window", "alibi", "block_mask"})
 
 
 def numba_leads_on_cpu(inputs: AttentionInputs) -> bool:
-    """Whether this machine's measured table (`attnperf tune`) puts numba first for the call.
+    """Whether numba goes first for this CPU call: for the variants in MASKED_BY_SDPA, and
+    where this machine's measured table (`attnperf tune`) puts it first.
 
-    Without a valid table, never: sdpa first. For reference, on the 2-core AVX-512 machine
-    this package was developed on (`attnperf bench --backends sdpa numba --lengths 2048
-    4096 --causal both --rounds 9`, five runs), numba/sdpa was 0.84-0.98x on full
+    Without a valid table, dense calls go to sdpa first. For reference, on the 2-core
+    AVX-512 machine this package was developed on (`attnperf bench --backends sdpa numba
+    --lengths 2048 4096 --causal both --rounds 9`, five runs), numba/sdpa was 0.84-0.98x on full
     forward-only calls, 1.00-1.10x causal, 0.96-1.14x with the backward, and mostly below
     0.95x at L <= 1024; other machines differ, which is why it is measured where it runs.
     """
     from attnperf import tuning
 
+    if inputs.features() & MASKED_BY_SDPA:
+        return True
     rules, _ = tuning.active_rules()
     return bool(rules) and tuning.numba_leads(inputs, rules)
 
@@ -84,6 +92,7 @@ def select(inputs: AttentionInputs, backend: str = "auto") -> Backend:
     raise BackendNotSupportedError("no backend can serve this call:\n" + "\n".join(refusals))
 
 
-def attend(inputs: AttentionInputs, backend: str = "auto") -> Tensor:
-    """Run `inputs` on the selected backend; the output in the caller's layout."""
-    return inputs.restore(select(inputs, backend).run(inputs))
+def attend(inputs: AttentionInputs, backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
+    """Run `inputs` on the selected backend; the output (and the LSE when the call asked for
+    it) in the caller's layout."""
+    return inputs.restore(*select(inputs, backend).run(inputs))

@@ -5,13 +5,35 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from attnperf.layouts import BlockMask
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a call asks beyond SDPA's arguments, as one value: each kernel file lowers it
+    once into its launch arguments (one place to add a field).
+
+    window (left, right): query i sees keys i + o - left .. i + o + right (inclusive, None
+    unbounded), o = 0 for align "top_left", S - L for "bottom_right"; softcap c: scores
+    become c * tanh(s / c) before masks and ALiBi; alibi_slopes (B, Hq) float32: adds
+    -slope * |i + o - j|; block_mask: a block-sparse layout; return_lse: the row LSEs too.
+    """
+
+    window: tuple[int | None, int | None] | None = None
+    align: str = "top_left"
+    softcap: float | None = None
+    alibi_slopes: Tensor | None = None
+    block_mask: BlockMask | None = None
+    return_lse: bool = False
 
 
 @dataclass(frozen=True)
@@ -32,6 +54,7 @@ class AttentionInputs:
     scale: float
     enable_gqa: bool
     out_shape: tuple[int, ...]
+    variant: Variant = field(default_factory=Variant)
 
     @property
     def device(self) -> torch.device:
@@ -77,6 +100,47 @@ class AttentionInputs:
         return self.value.shape[3]
 
     @property
+    def offset(self) -> int:
+        """o of the alignment: query i's diagonal is key i + o."""
+        return self.kv_len - self.q_len if self.variant.align == "bottom_right" else 0
+
+    @property
+    def band(self) -> tuple[int | None, int | None] | None:
+        """(left, right) of the band around the diagonal i + o that causality and the window
+        leave (None: unbounded side), or None when neither limits the keys."""
+        if not self.is_causal and self.variant.window is None:
+            return None
+        left, right = self.variant.window or (None, None)
+        return left, 0 if self.is_causal else right
+
+    def features(self) -> set[str]:
+        """The features this call needs a backend to declare (see backend.FEATURES)."""
+        variant = self.variant
+        wanted = {
+            "bool_mask": self.mask_kind == "bool",
+            "float_mask": self.mask_kind == "float",
+            "causal": self.is_causal,
+            "window": variant.window is not None,
+            "bottom_right": self.offset != 0 and (self.band is not None
+                                                  or variant.alibi_slopes is not None),
+            "softcap": variant.softcap is not None,
+            "alibi": variant.alibi_slopes is not None,
+            "block_mask": variant.block_mask is not None,
+            "lse": variant.return_lse,
+            "gqa": self.q_heads != self.kv_heads,
+            "dropout": self.dropout_p > 0,
+            "backward": self.needs_grad,
+        }  # fmt: skip
+        return {name for name, needed in wanted.items() if needed}
+
+    def lse_from_stats(self, stats: Tensor) -> Tensor:
+        """Natural-log LSE (B, Hq, L) float32 from a fused kernel's (max, sum) in base 2;
+        -inf for a row that sees no key."""
+        row_max, row_sum = stats.unbind(-1)
+        lse = (row_max + torch.log2(row_sum)) * math.log(2)
+        return torch.where(row_sum > 0, lse, float("-inf"))
+
+    @property
     def has_pairs(self) -> bool:
         """Whether any (query, key) pair exists: zero-size batch, heads or lengths have none
         (head dim 0 still has pairs, of score 0)."""
@@ -87,9 +151,13 @@ class AttentionInputs:
         tensors = (self.query, self.key, self.value, self.attn_mask)
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
-    def restore(self, out: Tensor) -> Tensor:
-        """Reshape a (B, Hq, L, Ev) result to the caller's layout."""
-        return out.reshape(self.out_shape)
+    def restore(self, out: Tensor, lse: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Reshape a (B, Hq, L, Ev) result (and its (B, Hq, L) LSE when the call asked for
+        it) to the caller's layout."""
+        out = out.reshape(self.out_shape)
+        if not self.variant.return_lse:
+            return out
+        return out, lse.reshape(self.out_shape[:-1])
 
 
 def prepare(
@@ -101,8 +169,16 @@ def prepare(
     is_causal: object = False,
     scale: object = None,
     enable_gqa: object = False,
+    *,
+    window: object = None,
+    softcap: object = None,
+    alibi_slopes: object = None,
+    block_mask: object = None,
+    align: object = "top_left",
+    return_lse: object = False,
 ) -> AttentionInputs:
-    """Check a call against SDPA's contract and flatten it to AttentionInputs.
+    """Check a call against SDPA's contract (and the variant's arguments) and flatten it to
+    AttentionInputs.
 
     Raises TypeError or ValueError naming the offending argument.
     """
@@ -140,11 +216,13 @@ def prepare(
         scale = _real("scale", scale, "a float or None")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
+    if align not in ALIGNMENTS:
+        raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
     if _is_causal_bias(attn_mask):
         # torch's causal_upper_left / causal_lower_right objects, as SDPA takes them.
         if is_causal:
             raise ValueError("attn_mask (a CausalBias) and is_causal=True cannot be given together")
-        attn_mask, is_causal = _causal_bias(attn_mask, query, key)
+        attn_mask, is_causal, align = _causal_bias(attn_mask, query, key, align)
 
     # Heads are dim -3 (absent for 2-D inputs); every dim before them is batch.
     head_axis = () if rank == 2 else (rank - 3,)
@@ -187,6 +265,14 @@ def prepare(
         full_shape = (*batch_shape, *((q_heads,) if head_axis else ()), q_len, kv_len)
         mask4 = _prepare_mask(attn_mask, query, full_shape, len(batch_shape), (batch, q_heads))
 
+    variant = Variant(
+        window=check_window(window),
+        align=align,
+        softcap=check_softcap(softcap),
+        alibi_slopes=_alibi_slopes(alibi_slopes, query, batch_shape, q_heads, batch),
+        block_mask=_block_mask(block_mask, query, batch, q_heads, q_len, kv_len),
+        return_lse=_flag("return_lse", return_lse),
+    )
     return AttentionInputs(
         query=query.reshape(batch, q_heads, q_len, head_dim),
         key=key.reshape(batch, kv_heads, kv_len, head_dim),
@@ -197,7 +283,73 @@ def prepare(
         scale=_default_scale(head_dim) if scale is None else float(scale),
         enable_gqa=enable_gqa,
         out_shape=(*query.shape[:-1], value.shape[-1]),
+        variant=variant,
     )
+
+
+def check_window(window: object) -> tuple[int | None, int | None] | None:
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a (left, right) pair, got {window!r}")
+    for side in window:
+        if side is not None and (isinstance(side, (bool, np.bool_))
+                                 or not isinstance(side, numbers.Integral)):  # fmt: skip
+            raise TypeError(f"window sides must be ints >= 0 or None, got {window!r}")
+        if side is not None and side < 0:
+            raise ValueError(f"window sides must be >= 0 (None: unbounded), got {window!r}")
+    return tuple(None if side is None else int(side) for side in window)
+
+
+def check_softcap(softcap: object) -> float | None:
+    if softcap is None:
+        return None
+    value = _real("softcap", softcap, "a float > 0 or None")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softcap must be a finite float > 0, got {softcap!r}")
+    return value
+
+
+def _alibi_slopes(
+    slopes: object, query: Tensor, batch_shape: tuple[int, ...], q_heads: int, batch: int
+) -> Tensor | None:
+    """The slopes as a (B, Hq) float32 tensor."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, Tensor) or slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be a float32 tensor, got {_describe(slopes)}")
+    if slopes.device != query.device:
+        raise ValueError(f"alibi_slopes is on {slopes.device} but query is on {query.device}")
+    if tuple(slopes.shape) not in ((q_heads,), (*batch_shape, q_heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape (Hq,) = ({q_heads},) or (*batch, Hq) = "
+            f"{(*batch_shape, q_heads)}, got {tuple(slopes.shape)}"
+        )
+    if slopes.requires_grad:
+        raise ValueError("alibi_slopes must not require grad: no gradient is computed for them")
+    return slopes.reshape(-1, q_heads).expand(batch, q_heads).contiguous()
+
+
+def _block_mask(
+    mask: object, query: Tensor, batch: int, q_heads: int, q_len: int, kv_len: int
+) -> BlockMask | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, BlockMask):
+        raise TypeError(f"block_mask must be an attnperf.BlockMask, got {type(mask).__name__}")
+    b, h, length, kv = mask.shape
+    if (length, kv) != (q_len, kv_len) or b not in (1, batch) or h not in (1, q_heads):
+        raise ValueError(
+            f"block_mask is for (B, H, L, S) = {mask.shape}, which does not fit the call's "
+            f"(B, Hq, L, S) = {(batch, q_heads, q_len, kv_len)} (B and H may be 1)"
+        )
+    if mask.kinds.device != query.device:
+        raise ValueError(f"block_mask is on {mask.kinds.device} but query is on {query.device}")
+    return mask
+
+
+def _describe(value: object) -> str:
+    return f"a {value.dtype} tensor" if isinstance(value, Tensor) else type(value).__name__
 
 
 def _flag(name: str, value: object) -> bool:
@@ -219,12 +371,9 @@ def _is_causal_bias(mask: object) -> bool:
     return bias is not None and isinstance(mask, bias.CausalBias)
 
 
-def _causal_bias(bias: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor | None, bool]:
-    """(attn_mask, is_causal) for one of torch's CausalBias objects.
-
-    Upper-left (and lower-right when L == S, the same band) is is_causal=True, in-kernel;
-    lower-right with L != S is materialised as a bool (L, S) mask for now.
-    """
+def _causal_bias(bias: Tensor, query: Tensor, key: Tensor, align: str) -> tuple[None, bool, str]:
+    """(attn_mask, is_causal, align) for one of torch's CausalBias objects: causal, in-kernel,
+    aligned as the object says."""
     shape = (bias.seq_len_q, bias.seq_len_kv)
     if shape != (query.shape[-2], key.shape[-2]):
         raise ValueError(
@@ -232,11 +381,10 @@ def _causal_bias(bias: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor | Non
             f"(L, S) = {(query.shape[-2], key.shape[-2])}"
         )
     upper_left = sys.modules["torch.nn.attention.bias"].CausalVariant.UPPER_LEFT
-    if bias.variant == upper_left or shape[0] == shape[1]:
-        return None, True
-    rows = torch.arange(shape[0], device=query.device)[:, None]
-    cols = torch.arange(shape[1], device=query.device)[None, :]
-    return cols <= rows + (shape[1] - shape[0]), False
+    aligned = "top_left" if bias.variant == upper_left else "bottom_right"
+    if align != "top_left" and align != aligned and shape[0] != shape[1]:
+        raise ValueError(f"attn_mask is a {aligned} CausalBias but align={align!r} was given")
+    return None, True, aligned
 
 
 def _default_scale(head_dim: int) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import torch
@@ -10,6 +11,7 @@ from torch import Tensor, nn
 
 from attnperf.api import attention
 from attnperf.dispatch import check_name
+from attnperf.inputs import check_softcap, check_window
 
 
 class SelfAttention(nn.Module):
@@ -26,6 +28,11 @@ class SelfAttention(nn.Module):
        projection mixes them back to embed_dim.
     Steps 2 to 4 are one `attnperf.attention` call, served by `backend` per call; the
     parameters (and so the state_dict) are the same whatever the backend.
+
+    Variants, in the kernels: `window=(left, right)` limits each query to the keys within
+    left before and right after it (a sliding window of W keys: (W - 1, 0) with causal);
+    `softcap=c` caps the scores at c (Gemma 2: 50); `alibi=True` adds ALiBi's linear biases
+    with the standard slopes (`alibi_slopes(num_heads)`) in place of position embeddings.
     """
 
     def __init__(
@@ -38,6 +45,9 @@ class SelfAttention(nn.Module):
         causal: bool = False,
         dropout: float = 0.0,
         backend: str = "auto",
+        window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+        alibi: bool = False,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -53,9 +63,15 @@ class SelfAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         check_name(backend)
+        if not isinstance(alibi, bool):
+            raise TypeError(f"alibi must be a bool, got {type(alibi).__name__}")
         self.num_heads, self.num_kv_heads = int(num_heads), int(num_kv_heads)
         self.head_dim = int(embed_dim) // self.num_heads
         self.causal, self.dropout, self.backend = causal, dropout, backend
+        self.window, self.softcap = check_window(window), check_softcap(softcap)
+        # Not in the state_dict: the slopes follow from num_heads, they are not learned.
+        slopes = torch.tensor(alibi_slopes(self.num_heads)) if alibi else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
         self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=bias)
@@ -87,16 +103,22 @@ class SelfAttention(nn.Module):
         q = heads(self.q_proj(x), self.num_heads)
         k = heads(self.k_proj(x), self.num_kv_heads)
         v = heads(self.v_proj(x), self.num_kv_heads)
-        mask, is_causal = self._mask(attn_mask, key_padding_mask, batch, seq, q.dtype, x.device)
+        mask = self._mask(attn_mask, key_padding_mask, batch, seq, q.dtype, x.device)
+        # With a mask or a window, causality is the band's right side 0 (in-kernel; SDPA's
+        # is_causal takes no mask); alone, SDPA's is_causal (torch.compile traces it).
+        window, is_causal = self.window, self.causal
+        if is_causal and (mask is not None or window is not None):
+            window, is_causal = (window[0] if window else None, 0), False
         out = attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
-            backend=self.backend,
+            backend=self.backend, window=window, softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes,
         )  # fmt: skip
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _mask(self, attn_mask, key_padding_mask, batch, seq, dtype, device):
-        """(SDPA mask or None, is_causal): SDPA takes either a mask or is_causal, not both."""
+        """attn_mask and key_padding_mask as one SDPA mask, or None."""
         for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
             if mask is not None and not isinstance(mask, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
@@ -116,16 +138,28 @@ class SelfAttention(nn.Module):
                 )
             padding = key_padding_mask[:, None, None, :]
             masks.append(~padding if padding.dtype == torch.bool else padding)
-        if self.causal and masks:
-            masks.append(torch.ones(seq, seq, dtype=torch.bool, device=device).tril())
         if not masks:
-            return None, self.causal
+            return None
         if all(mask.dtype == torch.bool for mask in masks):
-            return functools.reduce(torch.logical_and, masks), False
+            return functools.reduce(torch.logical_and, masks)
         bias = [
             torch.zeros((), dtype=dtype, device=device).masked_fill(~m, float("-inf"))
             if m.dtype == torch.bool
             else m.to(dtype)
             for m in masks
         ]
-        return functools.reduce(torch.add, bias), False
+        return functools.reduce(torch.add, bias)
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """ALiBi's standard head slopes (Press et al.; BLOOM's, MPT's): 2^(-8 i / n) for i =
+    1..n when n is a power of 2, else those of the power of 2 below n and every other one
+    of the power above."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+
+    def power_of_2(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    below = 2 ** math.floor(math.log2(num_heads))
+    return power_of_2(below) + power_of_2(2 * below)[0::2][: num_heads - below]

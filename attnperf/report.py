@@ -177,7 +177,7 @@ def table_rows(report: dict) -> list[list[str]]:
                 _fmt(e["peak_extra_bytes"] and e["peak_extra_bytes"] / MIB, ".1f") if ok else "-",
                 _fmt(e["speed_vs_sdpa"], ".2f") + ("x" if e["speed_vs_sdpa"] else ""),
                 _fmt(e["first_call_s"], ".2f"),
-                "" if ok else e["status"],
+                e.get("note", "") if ok else e["status"],
             ]
         )
     return rows
@@ -185,8 +185,10 @@ def table_rows(report: dict) -> list[list[str]]:
 
 FIT_NOTE = (
     "k over all lengths is bent low by per-call overhead at short L; k between the two "
-    "largest lengths is the kernel's growth. Ideal: time k = 2 (dense attention, causal "
-    "too); memory k = 1 for fused kernels, 2 for ones that hold the L x S scores."
+    "largest lengths is the kernel's growth. Ideal: time k = 2 for dense attention (causal "
+    "too), 1 with a sliding window or a layout whose blocks per row stay fixed, for kernels "
+    "that skip what is masked; memory k = 1 for fused kernels, 2 for ones that hold the "
+    "L x S scores."
 )
 
 
@@ -321,6 +323,10 @@ def compare_to_baseline(report: dict, baseline: dict, min_loss: float = 0.25) ->
     def spread(entry):
         return (entry["max_s"] - entry["min_s"]) / entry["median_s"]
 
+    variant = ("window", "softcap", "alibi", "block_mask")
+    if any(baseline["config"].get(f) != report["config"].get(f) for f in variant):
+        return ["baseline not compared: it measured another variant (window, softcap, alibi "
+                "or block mask)"]  # fmt: skip
     old, new = by_key(baseline), by_key(report)
     warnings = []
     for key in sorted(old.keys() & new.keys(), key=str):

@@ -39,10 +39,15 @@ def same_precision_reference(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-) -> Tensor:
-    """PyTorch's textbook attention in the inputs' own dtype (the baseline's precision)."""
-    inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return inputs.restore(reference_attention(inputs)[0])
+    **variants: object,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """PyTorch's textbook attention in the inputs' own dtype (the baseline's precision);
+    `attention`'s variant keywords too (with return_lse: (out, lse))."""
+    inputs = prepare(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **variants
+    )
+    out, _, lse = reference_attention(inputs)
+    return inputs.restore(out, lse)
 
 
 def float64_reference(
@@ -54,13 +59,14 @@ def float64_reference(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-) -> Tensor:
+    **variants: object,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The same computation in float64 (a float mask too): the ground truth, as float64."""
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.double()
     return same_precision_reference(
         query.double(), key.double(), value.double(), attn_mask, dropout_p, is_causal, scale,
-        enable_gqa,
+        enable_gqa, **variants,
     )  # fmt: skip
 
 

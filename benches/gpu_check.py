@@ -7,7 +7,9 @@ On a machine with an NVIDIA GPU (finishes in under 5 minutes on an H100/H200):
 For every dtype (bf16, fp16), head dim (64, 128), L = S in 1k..16k, causal or not, and pass
 (forward, forward+backward) with B x H = 32, it times `triton` and each SDPA kernel that
 accepts the call (flash, efficient, cudnn) with triton.testing.do_bench, and prints TFLOP/s
-and triton's speed relative to each kernel (> 1: triton is faster). Without a GPU,
+and triton's speed relative to each kernel (> 1: triton is faster). Variant rows (bf16,
+E = 128, causal sliding window of 256 keys, alone and with softcap 50) time `triton`
+against SDPA with the mask materialised once and FlexAttention compiled. Without a GPU,
 `TRITON_INTERPRET=1 python benches/gpu_check.py --tiny` runs the same script end to end on
 CPU at tiny sizes (its timings mean nothing there).
 """
@@ -51,11 +53,16 @@ def check_agreement(device: str, tiny: bool) -> int:
     """Forward and gradients of triton under the testing rule on a reduced grid."""
     failures = 0
     length, batch = (48, 1) if tiny else (1000, 2)  # ragged lengths on purpose
+    layout = attnperf.block_mask(lambda b, h, i, j: (i // 64 + j // 48) % 3 != 0, None, None,
+                                 length, length + 7, block_size=32)  # fmt: skip
     cases = [
         {"is_causal": False},
         {"is_causal": True},
         {"mask": True},
         {"gqa": True, "is_causal": True},
+        {"is_causal": True, "variant": {"window": (100, 0), "align": "bottom_right"}},
+        {"variant": {"softcap": 5.0, "alibi_slopes": torch.rand(4) / 4}},
+        {"gqa": True, "variant": {"block_mask": layout, "window": (300, 40)}},
     ]
     for dtype_name, dtype in DTYPES.items():
         for head_dim in (64, 128):
@@ -76,7 +83,9 @@ def check_agreement(device: str, tiny: bool) -> int:
                     args["attn_mask"] = torch.randn(length, length + 7, generator=gen).to(
                         device, dtype
                     )
-                label = f"{dtype_name} E={head_dim} {case}"
+                for name, value in case.get("variant", {}).items():
+                    args[name] = value.to(device) if hasattr(value, "to") else value
+                label = f"{dtype_name} E={head_dim} {', '.join(case)}"
                 try:
                     compare_all(args)
                     print(f"agree  {label}")
@@ -140,6 +149,66 @@ def benchmark(device: str, tiny: bool, rows: list[dict]) -> None:
                                total_flops)  # fmt: skip
 
 
+def variant_contenders(q, window: int, softcap: float | None, flex) -> dict:
+    """Callables (q, k, v, causal) for a causal sliding window of `window` keys: triton,
+    SDPA with the mask materialised once (what a user of SDPA does; SDPA has no softcap)
+    and FlexAttention compiled (`flex`)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from attnperf.inputs import prepare
+    from attnperf.kernels.reference import variant_masks
+    from attnperf.kernels.sdpa import materialised_mask
+
+    variant = {"window": (window - 1, 0), "softcap": softcap}
+    length = q.shape[-2]
+
+    def sliding(b, h, i, j):
+        return (j <= i) & (i - j < window)
+
+    def cap(score, b, h, i, j):
+        return softcap * torch.tanh(score / softcap)
+
+    layout = create_block_mask(sliding, None, None, length, length, device=q.device)
+    contenders = {
+        "triton": lambda q, k, v, _: attnperf.attention(
+            q, k, v, is_causal=True, backend="triton", **variant),
+        "flex": lambda q, k, v, _: flex(
+            q, k, v, score_mod=cap if softcap else None, block_mask=layout),
+    }  # fmt: skip
+    if softcap is None:
+        inputs = prepare(q, q, q, is_causal=True, **variant)
+        mask = materialised_mask(inputs, *variant_masks(inputs, q.dtype))
+        contenders["sdpa_mask"] = lambda q, k, v, _: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask
+        )
+    return contenders
+
+
+def benchmark_variants(device: str, tiny: bool, rows: list[dict]) -> None:
+    """triton against SDPA with the mask materialised and FlexAttention compiled: bf16,
+    E = 128, a causal sliding window of 256 keys, alone and with softcap 50."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    window = 16 if tiny else 256
+    lengths = (64,) if tiny else (1024, 4096, 16384)
+    batch, heads, head_dim = (1, 2, 16) if tiny else (2, 16, 128)
+    flex = torch.compile(flex_attention)
+    for softcap in (None, 50.0):
+        label = f"bf16-window{window}" + (f"-softcap{softcap:g}" if softcap else "")
+        for length in lengths:
+            shape = (batch, heads, length, head_dim)
+            q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(3))
+            grad_out = torch.randn_like(q)
+            contenders = variant_contenders(q, window, softcap, flex)
+            pairs = length * window - window * (window - 1) / 2
+            flops = 4 * batch * heads * pairs * head_dim
+            for pass_ in ("forward", "forward+backward"):
+                timings = {name: measure(fn, q, k, v, True, pass_, grad_out, device)
+                           for name, fn in contenders.items()}  # fmt: skip
+                total = flops * (3.5 if pass_ == "forward+backward" else 1)
+                report(rows, label, head_dim, length, True, pass_, timings, total)
+
+
 def measure(fn, q, k, v, causal, pass_, grad_out, device) -> float | None:
     backward = pass_ == "forward+backward"
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
@@ -151,7 +220,7 @@ def measure(fn, q, k, v, causal, pass_, grad_out, device) -> float | None:
 
     try:
         return time_ms(call, device)
-    except RuntimeError as error:  # an SDPA kernel that refuses this call
+    except Exception as error:  # an SDPA kernel (or flex) that refuses this call
         print(f"  skipped: {str(error).splitlines()[0][:100]}", file=sys.stderr)
         return None
 
@@ -188,6 +257,7 @@ def main() -> int:
     failures = check_agreement(device, args.tiny)
     rows: list[dict] = []
     benchmark(device, args.tiny, rows)
+    benchmark_variants(device, args.tiny, rows)
     with open(args.csv, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -10,7 +10,8 @@ tensors with a compile-only driver, every kernel launch (and every autotune conf
 pruning keeps) compiled instead of launched. It prints each kernel's shared memory against
 the target's per-block limit and exits 1 if a kernel fails to compile or would not fit.
 Covered: fp16, bf16 and fp32 at head dims 64, 128 and 256 (forward configs and backward
-kernels), then masks, causal and ragged lengths at head dim 64.
+kernels), then masks, causal and ragged lengths at head dim 64, and the variants (window,
+bottom-right, softcap, ALiBi, block layouts, the LSE) at head dims 64 and 256.
 """
 
 from __future__ import annotations
@@ -93,10 +94,21 @@ def calls(quick: bool):
 
     dtypes = {"fp16": DTYPES["fp16"]} if quick else DTYPES
     head_dims = (64,) if quick else (64, 128, 256)
+    import attnperf
+
+    def all_variants(dtype, head_dim):
+        q, k, v = qkv(dtype, head_dim)
+        return {
+            "q": q, "k": k, "v": v, "is_causal": True, "window": (100, 0), "softcap": 30.0,
+            "alibi_slopes": torch.rand(2), "return_lse": True,
+            "block_mask": attnperf.block_mask(lambda b, h, i, j: j <= i, None, None, 256, 256),
+        }  # fmt: skip
+
     for name, dtype in dtypes.items():
         for head_dim in head_dims:
             yield f"{name} E={head_dim}", dict(zip("qkv", qkv(dtype, head_dim), strict=True))
     if quick:
+        yield "fp16 E=64 all variants", all_variants(torch.float16, 64)
         return
     q, k, v = qkv(torch.float16, 64, 200, 300)  # ragged: EVEN_N false
     bool_mask = torch.rand(200, 300, generator=gen) > 0.5
@@ -104,6 +116,30 @@ def calls(quick: bool):
     yield "fp16 ragged causal", {"q": q, "k": k, "v": v, "is_causal": True}
     yield "fp16 ragged bool mask", {"q": q, "k": k, "v": v, "attn_mask": bool_mask}
     yield "fp16 ragged float mask", {"q": q, "k": k, "v": v, "attn_mask": float_mask}
+    # The variants: each constexpr path of the kernels' score modification and tile ranges.
+    layout = attnperf.block_mask(lambda b, h, i, j: (i // 64 + j // 32) % 3 != 0, None, None,
+                                 200, 300, block_size=(64, 32))  # fmt: skip
+    yield (
+        "fp16 window bottom-right",
+        {"q": q, "k": k, "v": v, "is_causal": True, "window": (64, 0), "align": "bottom_right"},
+    )
+    yield (
+        "fp16 softcap alibi",
+        {
+            "q": q,
+            "k": k,
+            "v": v,
+            "softcap": 30.0,
+            "alibi_slopes": torch.rand(2),
+            "return_lse": True,
+        },
+    )
+    yield (
+        "fp16 block mask window",
+        {"q": q, "k": k, "v": v, "block_mask": layout, "window": (100, 20)},
+    )
+    for name, dtype in DTYPES.items():  # the largest tiles, where shared memory is tightest
+        yield f"{name} E=256 all variants", all_variants(dtype, 256)
 
 
 def main() -> int:
@@ -120,8 +156,8 @@ def main() -> int:
     limit = SHARED_LIMIT[args.arch]
     failures = 0
     for label, call in calls(args.quick):
-        inputs = prepare(call["q"], call["k"], call["v"], call.get("attn_mask"),
-                         is_causal=call.get("is_causal", False))  # fmt: skip
+        variant = {k: v for k, v in call.items() if k not in ("q", "k", "v", "attn_mask")}
+        inputs = prepare(call["q"], call["k"], call["v"], call.get("attn_mask"), **variant)
         before = len(compiled)
         try:
             out, lse2 = triton_gpu.triton_attention_forward(inputs)

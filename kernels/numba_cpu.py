@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnperf.backend import Capabilities, FusedBackend
+from attnperf.backend import FEATURES, Capabilities, FusedBackend
 from attnperf.inputs import AttentionInputs
 
 try:
@@ -42,10 +42,14 @@ except ImportError as error:
 
 
 def _njit(**options):
-    """numba.njit with an on-disk cache; without numba the plain function (never run)."""
+    """numba.njit with an on-disk cache; without numba the plain function (never run).
+
+    error_model="numpy": IEEE division (inf/NaN, no ZeroDivisionError branch), which lets
+    loops that divide vectorise (the softcap's tanh was 10x slower without).
+    """
     if numba is None:
         return lambda function: function
-    return numba.njit(cache=True, nogil=True, **options)
+    return numba.njit(cache=True, nogil=True, error_model="numpy", **options)
 
 
 prange = numba.prange if numba is not None else range
@@ -136,6 +140,13 @@ def maxnum(typingctx, a, b):
 # at its own diagonal, so wide key tiles waste at most a triangle.
 BLOCK_M = 128
 BLOCK_N = 512
+# A band bounded on both sides (a sliding window): a tile sees its rows' window plus a
+# triangle on each side, which smaller tiles shrink. Forward: 64 x 512 was 5-25% faster
+# than 128 x 512 at windows of 128 to 1024 keys, L = 8192 (64 x 256 no better). Backward,
+# which walks a key tile's query rows: 64 x 128 was 1.5-1.9x faster than 64 x 512 at
+# windows of 256 and 1024, L = 4096 (of 32/64/128 x 128/256/512).
+BANDED_BLOCK_M = 64
+BANDED_BACKWARD_BLOCK_N = 128
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
@@ -182,33 +193,55 @@ def row_maximum(row, cols, start):
 
 
 @_njit(fastmath=FASTMATH)
-def exp2_shifted(row, cols, shift, factor):
-    """row[c] <- 2 ** (row[c] - shift) * factor in place, vectorised (no libm call); returns
-    the sum.
+def exp2(t):
+    """2 ** t in float32 without a libm call, so that loops over it vectorise.
 
-    2**n is built in a float's exponent field; results below 2**-126 flush to 0 (they
-    vanish next to the row's max, which maps to 1). NaN stays NaN.
+    2**n is built in a float's exponent field; results below 2**-126 flush to 0. NaN stays
+    NaN; t must be below 128.
     """
     c0, c1, c2, c3, c4, c5, c6, c7 = EXP2_COEFFS
+    clamped = t if t > -127.0 else np.float32(-127.0)  # -inf and NaN clamp too
+    n = np.floor(clamped + np.float32(0.5))
+    f = clamped - n
+    p = c7
+    p = p * f + c6
+    p = p * f + c5
+    p = p * f + c4
+    p = p * f + c3
+    p = p * f + c2
+    p = p * f + c1
+    p = p * f + c0
+    y = p * float32_from_bits((np.int32(n) + 127) << 23)
+    return y if t == t else t
+
+
+@_njit(fastmath=FASTMATH)
+def exp2_shifted(row, cols, shift, factor):
+    """row[c] <- 2 ** (row[c] - shift) * factor in place, vectorised; returns the sum."""
     total = np.float32(0.0)
     for c in range(cols):
-        t = row[c] - shift
-        clamped = t if t > -127.0 else np.float32(-127.0)  # -inf and NaN clamp too
-        n = np.floor(clamped + np.float32(0.5))
-        f = clamped - n
-        p = c7
-        p = p * f + c6
-        p = p * f + c5
-        p = p * f + c4
-        p = p * f + c3
-        p = p * f + c2
-        p = p * f + c1
-        p = p * f + c0
-        y = p * float32_from_bits((np.int32(n) + 127) << 23) * factor
-        y = y if t == t else t
+        y = exp2(row[c] - shift) * factor
         row[c] = y
         total += y
     return total
+
+
+@_njit(fastmath=FASTMATH)
+def tanh(x):
+    """tanh in float32, vectorisable: Cephes' tanhf (an odd polynomial below 0.625, else
+    1 - 2 / (e^2|x| + 1)); within 2 ulps of libm's."""
+    a = min(abs(x), np.float32(10.0))  # tanh(10) rounds to 1 in float32
+    e = exp2(a * np.float32(2 * LOG2E))
+    large = np.float32(1.0) - np.float32(2.0) / (e + np.float32(1.0))
+    large = large if x >= 0 else -large
+    z = x * x
+    p = np.float32(-5.70498872745e-3)
+    p = p * z + np.float32(2.06390887954e-2)
+    p = p * z - np.float32(5.37397155531e-2)
+    p = p * z + np.float32(1.33314422036e-1)
+    p = p * z - np.float32(3.33332819422e-1)
+    small = p * z * x + x
+    return small if a < 0.625 else large
 
 
 @_njit()
@@ -228,10 +261,94 @@ def base2_bias(value):
     return scaled
 
 
+# ---------------------------------------------------------------------------- the variant
+# A call's variant lowered once (`lower_variant`) into one tuple that every kernel passes on:
+# (mask, mask_kind, left, right, offset, softcap2, alibi2, kinds, partial_index, partial,
+#  block_q, block_k). The band is left/right around the diagonal i + offset (UNBOUNDED when
+# open); softcap2 = softcap * log2(e), 0 without; alibi2 (B, Hq) = slopes * log2(e), empty
+# without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without.
+UNBOUNDED = 1 << 40
+SKIP, MASKED, UNMASKED = 0, 1, 2  # what a (query tile, key tile) needs from the structure
+LAYOUT_EMPTY, LAYOUT_PARTIAL, LAYOUT_FULL = 0, 1, 2  # attnperf.layouts' kinds
+
+
+@_njit()
+def key_range(variant, i0, rows, kv_len):
+    """[first, end) of the keys that query rows i0 .. i0 + rows - 1 may see in the band."""
+    left, right, offset = variant[2], variant[3], variant[4]
+    # Whole multiples of 16 keys (the band masks the extra ones): BLAS runs faster on them.
+    first = max(i0 + offset - left, 0) // 16 * 16
+    end = min((i0 + rows - 1 + offset + right + 1 + 15) // 16 * 16, kv_len)
+    return first, max(end, first)
+
+
+@_njit()
+def query_range(variant, j0, cols, q_len):
+    """[first, end) of the query rows that may see keys j0 .. j0 + cols - 1 in the band."""
+    left, right, offset = variant[2], variant[3], variant[4]
+    first = max(j0 - offset - right, 0)
+    end = min(j0 + cols - 1 - offset + left + 1, q_len)
+    return first, max(end, first)
+
+
+@_njit()
+def key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+    """The key tiles that query rows i0 .. i0 + rows - 1 must visit, as (j0, cols,
+    structure) with structure MASKED or UNMASKED: the tile range of the band, without the
+    tiles that the block layout leaves empty."""
+    tiles = []
+    first, end = key_range(variant, i0, rows, kv_len)
+    for j0 in range(first, end, block_n):
+        cols = min(block_n, end - j0)
+        structure = tile_structure(variant, b, h, i0, rows, j0, cols)
+        if structure != SKIP:
+            tiles.append((j0, cols, structure))
+    return tiles
+
+
+@_njit()
+def tile_structure(variant, b, h, i0, rows, j0, cols):
+    """SKIP, MASKED or UNMASKED: what the band and the block layout leave of one tile."""
+    left, right, offset = variant[2], variant[3], variant[4]
+    # Key j's distance right of row i's diagonal, j - (i + offset), over the tile:
+    nearest = j0 - (i0 + rows - 1) - offset
+    farthest = j0 + cols - 1 - i0 - offset
+    result = UNMASKED if nearest >= -left and farthest <= right else MASKED
+    kinds, block_q, block_k = variant[7], variant[10], variant[11]
+    if block_q == 0:
+        return result
+    seen = False
+    for qb in range(i0 // block_q, (i0 + rows - 1) // block_q + 1):
+        for kb in range(j0 // block_k, (j0 + cols - 1) // block_k + 1):
+            kind = kinds[b, h, qb, kb]
+            seen = seen or kind != LAYOUT_EMPTY
+            if kind != LAYOUT_FULL:
+                result = MASKED
+    return result if seen else SKIP
+
+
 @_njit(fastmath=FASTMATH)
-def mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal):
-    """Apply the mask (times log2(e): scores are in base 2) and causality to one tile;
-    a causal tile left of the diagonal is left as it is."""
+def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
+    """Scores of one tile (base 2, scaled) in place: softcap, attn_mask, ALiBi, and, for a
+    MASKED tile, the band and the block layout (-inf outside them).
+
+    With a softcap and `dtanh` of the tile's size, also dtanh <- 1 - tanh^2, the softcap's
+    gradient factor for the backward.
+    """
+    mask, mask_kind, left, right, offset, softcap2, alibi2 = variant[:7]
+    if softcap2 != 0:
+        inverse = np.float32(1.0) / softcap2
+        for r in range(rows):
+            s_row = s[r]
+            if dtanh.shape[0] >= rows:  # two loops, so that each vectorises
+                dtanh_row = dtanh[r]
+                for c in range(cols):
+                    t = tanh(s_row[c] * inverse)
+                    s_row[c] = softcap2 * t
+                    dtanh_row[c] = np.float32(1.0) - t * t
+            else:
+                for c in range(cols):
+                    s_row[c] = softcap2 * tanh(s_row[c] * inverse)
     if mask_kind == MASK_FLOAT:
         for r in range(rows):
             for c in range(cols):
@@ -241,14 +358,41 @@ def mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal):
             for c in range(cols):
                 if not mask[b, h, i0 + r, j0 + c]:
                     s[r, c] += -np.inf  # like SDPA: a NaN score stays NaN
-    if causal and j0 + cols > i0 + 1:  # top-left aligned: row i sees keys 0..i
+    if alibi2.shape[0] > 0:
+        slope = alibi2[b, h]
         for r in range(rows):
-            for c in range(max(i0 + r + 1 - j0, 0), cols):
-                s[r, c] = -np.inf
+            distance = j0 - (i0 + r) - offset
+            s_row = s[r]
+            for c in range(cols):
+                s_row[c] -= slope * abs(distance + c)
+    if structure != MASKED:
+        return
+    for r in range(rows):  # the band: key j for row i iff -left <= j - (i + offset) <= right
+        distance = j0 - (i0 + r) - offset
+        for c in range(0, min(max(-left - distance, 0), cols)):
+            s[r, c] = -np.inf
+        for c in range(max(right - distance + 1, 0), cols):
+            s[r, c] = -np.inf
+    kinds, partial_index, partial, block_q, block_k = variant[7:]
+    if block_q == 0:
+        return
+    for qb in range(i0 // block_q, (i0 + rows - 1) // block_q + 1):
+        r0, r1 = max(qb * block_q - i0, 0), min((qb + 1) * block_q - i0, rows)
+        for kb in range(j0 // block_k, (j0 + cols - 1) // block_k + 1):
+            c0, c1 = max(kb * block_k - j0, 0), min((kb + 1) * block_k - j0, cols)
+            kind = kinds[b, h, qb, kb]
+            if kind == LAYOUT_FULL:
+                continue
+            block = partial[max(partial_index[b, h, qb, kb], 0)]
+            for r in range(r0, r1):
+                for c in range(c0, c1):
+                    if kind == LAYOUT_EMPTY or not block[i0 + r - qb * block_q,
+                                                         j0 + c - kb * block_k]:  # fmt: skip
+                        s[r, c] = -np.inf
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
-def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, stats, block_m, block_n):
+def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
     2 ** (score - max); fp32 q, k, v with unit stride along E."""
     batch, q_heads, q_len, _ = q.shape
@@ -256,6 +400,7 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, stats, 
     group = q_heads // kv_heads
     q_tiles = (q_len + block_m - 1) // block_m
     scale2 = scale * LOG2E
+    no_dtanh = np.empty((0, 0), np.float32)
     for item in prange(batch * q_heads * q_tiles):
         b, h, tile = split_index(item, q_heads, q_tiles)
         hk = h // group
@@ -267,11 +412,9 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, stats, 
         row_max = np.full(rows, -np.inf, np.float32)
         row_sum = np.zeros(rows, np.float32)
         shift = np.zeros(rows, np.float32)
-        kv_end = min(kv_len, i0 + rows) if causal else kv_len
-        for j0 in range(0, kv_end, block_n):
-            cols = min(block_n, kv_end - j0)
+        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
             gemm(q_tile, k[b, hk, j0 : j0 + cols], s[:, :cols], scale2, 0.0, False, True)
-            mask_scores(s, mask, mask_kind, b, h, i0, j0, rows, cols, causal)
+            modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
             for r in range(rows):
                 new_max = row_maximum(s[r], cols, row_max[r])
                 # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
@@ -283,7 +426,7 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, stats, 
                     acc[r, e] *= alpha
             gemm(s[:, :cols], v[b, hk, j0 : j0 + cols], acc, 1.0, 1.0, False, False)
         for r in range(rows):
-            # Fully masked rows (sum 0) give 0; so does their backward (p = 2**x * 0).
+            # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
             inv = 1.0 / row_sum[r] if row_sum[r] != 0 else 0.0
             for e in range(value_dim):
                 out[b, h, i0 + r, e] = acc[r, e] * inv
@@ -292,17 +435,17 @@ def online_softmax_forward(q, k, v, mask, mask_kind, causal, scale, out, stats, 
 
 
 @_njit(fastmath=FASTMATH)
-def probabilities(q_tile, k_tile, p, mask, mask_kind, b, h, i0, j0, causal, scale2, stats):
+def probabilities(q_tile, k_tile, p, dtanh, variant, b, h, i0, j0, structure, scale2, stats):
     """p[:rows, :cols] <- P of one (query tile, key tile), from the rows' saved max and sum
     (stats[i0:i0 + rows]): kept apart, they hold the sum where max + log2(sum) would round
-    it away (scores near finfo.min).
+    it away (scores near finfo.min). With a softcap, dtanh <- its gradient factor.
 
     `p` is a C-contiguous buffer: its rows are C-contiguous too, which the exp2 loop needs
     to vectorise (a [:rows, :cols] view's rows are not typed so).
     """
     rows, cols = q_tile.shape[0], k_tile.shape[0]
     gemm(q_tile, k_tile, p[:rows, :cols], scale2, 0.0, False, True)
-    mask_scores(p, mask, mask_kind, b, h, i0, j0, rows, cols, causal)
+    modify_scores(p, variant, b, h, i0, j0, rows, cols, structure, dtanh)
     for r in range(rows):
         total = stats[i0 + r, 1]
         exp2_shifted(p[r], cols, stats[i0 + r, 0], 1.0 / total if total != 0 else 0.0)
@@ -310,7 +453,8 @@ def probabilities(q_tile, k_tile, p, mask, mask_kind, b, h, i0, j0, causal, scal
 
 @_njit(fastmath=FASTMATH)
 def score_gradients(p, dp, delta, rows, cols):
-    """dp <- dS = P * (dP - delta) on [:rows, :cols] of C-contiguous buffers."""
+    """dp <- dS = P * (dP - delta) on [:rows, :cols] of C-contiguous buffers: the gradient
+    of the final scores (a float mask's gradient)."""
     for r in range(rows):
         d = delta[r]
         p_row, dp_row = p[r], dp[r]
@@ -318,9 +462,18 @@ def score_gradients(p, dp, delta, rows, cols):
             dp_row[c] = p_row[c] * (dp_row[c] - d)
 
 
+@_njit(fastmath=FASTMATH)
+def through_softcap(ds, dtanh, rows, cols):
+    """ds <- ds * (1 - tanh^2): the gradient of the scores before the softcap."""
+    for r in range(rows):
+        ds_row, factor = ds[r], dtanh[r]
+        for c in range(cols):
+            ds_row[c] *= factor[c]
+
+
 @_njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dq(
-    q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, dq, dmask, block_m, block_n
+    q, k, v, variant, scale, stats, grad_out, delta, dq, dmask, block_m, block_n
 ):
     """dq += (and the float mask's gradient dS, when dmask is L x S) per query tile."""
     batch, q_heads, q_len, _ = q.shape
@@ -329,6 +482,7 @@ def attention_backward_dq(
     q_tiles = (q_len + block_m - 1) // block_m
     scale2 = scale * LOG2E
     want_dmask = dmask.shape[2] == q_len and dmask.shape[3] == kv_len
+    softcapped = variant[5] != 0
     for item in prange(batch * q_heads * q_tiles):
         b, h, tile = split_index(item, q_heads, q_tiles)
         hk = h // group
@@ -338,25 +492,27 @@ def attention_backward_dq(
         do_tile = grad_out[b, h, i0 : i0 + rows]
         p_buffer = np.empty((rows, block_n), np.float32)
         ds_buffer = np.empty((rows, block_n), np.float32)
-        kv_end = min(kv_len, i0 + rows) if causal else kv_len
-        for j0 in range(0, kv_end, block_n):
-            cols = min(block_n, kv_end - j0)
+        dtanh = np.empty((rows if softcapped else 0, block_n), np.float32)
+        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
             k_tile, v_tile = k[b, hk, j0 : j0 + cols], v[b, hk, j0 : j0 + cols]
             ds = ds_buffer[:, :cols]
             probabilities(
-                q_tile, k_tile, p_buffer, mask, mask_kind, b, h, i0, j0, causal, scale2, stats[b, h]
-            )
+                q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
+                stats[b, h],
+            )  # fmt: skip
             gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
             score_gradients(p_buffer, ds_buffer, delta[b, h, i0 : i0 + rows], rows, cols)
             if want_dmask:
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
+            if softcapped:
+                through_softcap(ds_buffer, dtanh, rows, cols)
             gemm(ds, k_tile, dq[b, h, i0 : i0 + rows], scale, 1.0, False, False)
 
 
 @_njit(fastmath=FASTMATH)
 def key_tile_gradients(
-    q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, dq, dk, dv, dmask,
-    b, hk, j0, cols, block_m, p_buffer, ds_buffer, with_dq,
+    q, k, v, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask,
+    b, hk, j0, cols, block_m, p_buffer, ds_buffer, dtanh, with_dq,
 ):  # fmt: skip
     """dk, dv += those of keys j0..j0+cols of head hk, over the query heads of its group.
 
@@ -366,69 +522,97 @@ def key_tile_gradients(
     q_heads, q_len = q.shape[1], q.shape[2]
     group = q_heads // k.shape[1]
     scale2 = scale * LOG2E
+    softcapped = variant[5] != 0
     want_dmask = with_dq and dmask.shape[2] == q_len and dmask.shape[3] == k.shape[2]
     k_tile, v_tile = k[b, hk, j0 : j0 + cols], v[b, hk, j0 : j0 + cols]
     dk_tile, dv_tile = dk[b, hk, j0 : j0 + cols], dv[b, hk, j0 : j0 + cols]
-    q_start = j0 if causal else 0  # rows above j0 see none of these keys
+    first, end = query_range(variant, j0, cols, q_len)
     for h in range(hk * group, (hk + 1) * group):
-        for i0 in range(q_start - q_start % block_m, q_len, block_m):
-            rows = min(block_m, q_len - i0)
+        for i0 in range(first, end, block_m):
+            rows = min(block_m, end - i0)
+            structure = tile_structure(variant, b, h, i0, rows, j0, cols)
+            if structure == SKIP:
+                continue
             q_tile, do_tile = q[b, h, i0 : i0 + rows], grad_out[b, h, i0 : i0 + rows]
             p, ds = p_buffer[:rows, :cols], ds_buffer[:rows, :cols]
             probabilities(
-                q_tile, k_tile, p_buffer, mask, mask_kind, b, h, i0, j0, causal, scale2, stats[b, h]
-            )
+                q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
+                stats[b, h],
+            )  # fmt: skip
             gemm(p, do_tile, dv_tile, 1.0, 1.0, True, False)
             gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
             score_gradients(p_buffer, ds_buffer, delta[b, h, i0 : i0 + rows], rows, cols)
+            if want_dmask:
+                dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
+            if softcapped:
+                through_softcap(ds_buffer, dtanh, rows, cols)
             gemm(ds, q_tile, dk_tile, scale, 1.0, True, False)
             if with_dq:
-                if want_dmask:
-                    dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
                 gemm(ds, k_tile, dq[b, h, i0 : i0 + rows], scale, 1.0, False, False)
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dkdv(
-    q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, dk, dv, block_m, block_n
+    q, k, v, variant, scale, stats, grad_out, delta, dk, dv, block_m, block_n
 ):
     """dk, dv += per key tile, summed over every query head of the key/value head's group."""
     batch, kv_heads, kv_len = k.shape[0], k.shape[1], k.shape[2]
     kv_tiles = (kv_len + block_n - 1) // block_n
     unused = np.zeros((1, 1, 1, 1), np.float32)
+    softcapped = variant[5] != 0
     for item in prange(batch * kv_heads * kv_tiles):
         b, hk, tile = split_index(item, kv_heads, kv_tiles)
         j0 = tile * block_n
         cols = min(block_n, kv_len - j0)
         p_buffer = np.empty((block_m, cols), np.float32)
         ds_buffer = np.empty((block_m, cols), np.float32)
+        dtanh = np.empty((block_m if softcapped else 0, cols), np.float32)
         key_tile_gradients(
-            q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, unused, dk, dv,
-            unused, b, hk, j0, cols, block_m, p_buffer, ds_buffer, False,
+            q, k, v, variant, scale, stats, grad_out, delta, unused, dk, dv, unused,
+            b, hk, j0, cols, block_m, p_buffer, ds_buffer, dtanh, False,
         )  # fmt: skip
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_fused(
-    q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, dq, dk, dv, dmask,
-    block_m, block_n,
-):  # fmt: skip
+    q, k, v, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask, block_m, block_n
+):
     """dq, dk, dv += (and dS into an L x S dmask) in one pass: P and dP are computed once.
 
     One prange item per (batch, key/value head) owns every query head of its group, so its
     dq updates need no atomics; worth it when there are enough items for the threads.
     """
     batch, kv_heads, kv_len = k.shape[0], k.shape[1], k.shape[2]
+    softcapped = variant[5] != 0
     for item in prange(batch * kv_heads):
         b, hk, _ = split_index(item, kv_heads, 1)
         p_buffer = np.empty((block_m, block_n), np.float32)
         ds_buffer = np.empty((block_m, block_n), np.float32)
+        dtanh = np.empty((block_m if softcapped else 0, block_n), np.float32)
         for j0 in range(0, kv_len, block_n):
             key_tile_gradients(
-                q, k, v, mask, mask_kind, causal, scale, stats, grad_out, delta, dq, dk, dv,
-                dmask, b, hk, j0, min(block_n, kv_len - j0), block_m, p_buffer, ds_buffer,
+                q, k, v, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask,
+                b, hk, j0, min(block_n, kv_len - j0), block_m, p_buffer, ds_buffer, dtanh,
                 True,
             )  # fmt: skip
+
+
+@_njit(parallel=True, fastmath=FASTMATH)
+def softmax_delta(out, grad_out, stats, grad_lse, delta):
+    """delta (B, Hq, L) <- FlashAttention-2's rowsum(dO * O) - dLSE (`grad_lse` empty: no
+    dLSE). A gradient on the LSE adds p * dLSE to every dS: the same as lowering delta by
+    it. Rows that see no key (sum 0) take none of it: their p is 0, and a NaN must not
+    creep in."""
+    batch, heads, q_len, value_dim = out.shape
+    for item in prange(batch * heads):
+        b, h, _ = split_index(item, heads, 1)
+        for i in range(q_len):
+            total = np.float32(0.0)
+            for e in range(value_dim):
+                total += out[b, h, i, e] * grad_out[b, h, i, e]
+            if grad_lse.shape[0] > 0 and stats[b, h, i, 1] > 0:
+                total -= grad_lse[b, h, i]
+            delta[b, h, i] = total
 
 
 def _as_numpy(tensor: Tensor) -> np.ndarray:
@@ -448,6 +632,38 @@ def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int]:
         if compact.stride(dim) == 0:
             compact = compact.narrow(dim, 0, 1)
     return _as_numpy(compact.float().expand(mask.shape)), MASK_FLOAT
+
+
+def lower_variant(inputs: AttentionInputs) -> tuple:
+    """The call's masks and variant as the kernels' one `variant` tuple (see UNBOUNDED)."""
+    mask, mask_kind = _mask_for_kernel(inputs)
+    variant = inputs.variant
+    left, right = inputs.band or (None, None)
+    softcap2 = np.float32(variant.softcap * LOG2E if variant.softcap is not None else 0.0)
+    alibi2 = np.zeros((0, 0), np.float32)
+    if variant.alibi_slopes is not None:
+        alibi2 = _as_numpy((variant.alibi_slopes * LOG2E).float().contiguous())
+    layout = variant.block_mask
+    if layout is None:
+        kinds = np.zeros((1, 1, 1, 1), np.int8)
+        partial_index = np.zeros((1, 1, 1, 1), np.int32)
+        partial = np.zeros((1, 1, 1), np.bool_)
+        block_q = block_k = 0
+    else:
+        # Per (batch, head) copies, O(L S / block^2): C-contiguous, as without a layout, so
+        # that both share one compiled kernel.
+        full = (inputs.batch, inputs.q_heads, *layout.num_blocks)
+        kinds = _as_numpy(layout.kinds.expand(full).contiguous())
+        partial_index = _as_numpy(layout.partial_index.expand(full).contiguous())
+        partial = _as_numpy(layout.partial)
+        if partial.shape[0] == 0:
+            partial = np.zeros((1, *layout.block_size), np.bool_)
+        block_q, block_k = layout.block_size
+    return (
+        mask, mask_kind,
+        UNBOUNDED if left is None else left, UNBOUNDED if right is None else right,
+        inputs.offset, softcap2, alibi2, kinds, partial_index, partial, block_q, block_k,
+    )  # fmt: skip
 
 
 BLAS_CHOICES = ("auto", "torch", "scipy")
@@ -539,10 +755,15 @@ def _float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, 
 
     The view is made from the address, not by Tensor.numpy(), which would pin the storage
     (a result that `resize_` refuses, unlike SDPA's); the tensor outlives every kernel call.
+    Zeroed by memset, not torch.zeros: a torch op on OpenMP threads just before a kernel
+    leaves them spinning on the cores the kernel's threads need (a 32K-element op cost the
+    next forward 8 ms of 20, L = 4096, 2 threads).
     """
-    tensor = (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32)
+    tensor = torch.empty(shape, dtype=torch.float32)
     if tensor.numel() == 0:
         return tensor, np.zeros(shape, np.float32)
+    if zero:
+        ctypes.memset(tensor.data_ptr(), 0, tensor.numel() * 4)
     memory = (ctypes.c_float * tensor.numel()).from_address(tensor.data_ptr())
     return tensor, np.ctypeslib.as_array(memory).reshape(shape)
 
@@ -564,16 +785,22 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
     row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
     q, k, v = _fp32(inputs.query), _fp32(inputs.key), _fp32(inputs.value)
-    mask, mask_kind = _mask_for_kernel(inputs)
     no_work = not inputs.has_pairs  # then zeros: no key is seen
     out, out_array = _float32_array((*q.shape[:3], v.shape[3]), zero=no_work)
     stats, stats_array = _float32_array((*q.shape[:3], 2), zero=no_work)
     if not no_work:
         _run_parallel(
-            online_softmax_forward, q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale,
-            out_array, stats_array, BLOCK_M, BLOCK_N,
+            online_softmax_forward, q, k, v, lower_variant(inputs), inputs.scale, out_array,
+            stats_array, *tile_sizes(inputs),
         )  # fmt: skip
     return out.to(inputs.dtype), stats
+
+
+def tile_sizes(inputs: AttentionInputs, backward: bool = False) -> tuple[int, int]:
+    """(query rows, keys) of the kernels' tiles for this call."""
+    if inputs.band is None or None in inputs.band:
+        return BLOCK_M, BLOCK_N
+    return BANDED_BLOCK_M, min(BANDED_BACKWARD_BLOCK_N, BLOCK_N) if backward else BLOCK_N
 
 
 def fused_backward_pays(items: int, threads: int) -> bool:
@@ -592,28 +819,34 @@ def numba_attention_backward(
     out: Tensor,
     stats: Tensor,
     grad_out: Tensor,
+    grad_lse: Tensor | None = None,
     fused: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """(dq, dk, dv, dmask or None) in the inputs' dtypes, by FlashAttention-2 recomputation.
+    """(dq, dk, dv, dmask or None) in the inputs' dtypes, by FlashAttention-2 recomputation;
+    `grad_lse` (B, Hq, L), the LSE's gradient, only shifts delta = rowsum(dO * O).
 
     `fused`: one pass over (batch, kv head) items, or a dq pass and a dk/dv pass over tiles;
     None picks the fused pass where it pays (`fused_backward_pays`).
     """
     q, k, v = _fp32(inputs.query), _fp32(inputs.key), _fp32(inputs.value)
-    mask, mask_kind = _mask_for_kernel(inputs)
+    variant = lower_variant(inputs)
     do = _fp32(grad_out)
-    delta = _as_numpy((grad_out.detach().float() * out.float()).sum(-1).contiguous())
     stats = _as_numpy(stats.contiguous())
+    no_lse = np.zeros((0, 0, 0), np.float32)
+    lse_grad = no_lse if grad_lse is None else _as_numpy(grad_lse.detach().float().contiguous())
+    _, delta = _float32_array(stats.shape[:3])
     (dq, dq_array), (dk, dk_array), (dv, dv_array) = (
         _float32_array(t.shape, zero=True) for t in (q, k, v)
     )
     want_dmask = inputs.mask_kind == "float" and inputs.attn_mask.requires_grad
-    dmask, dmask_array = _float32_array(mask.shape if want_dmask else (1, 1, 1, 1), zero=True)
+    dmask_shape = inputs.attn_mask.shape if want_dmask else (1, 1, 1, 1)
+    dmask, dmask_array = _float32_array(dmask_shape, zero=True)
     if fused is None:
         fused = fused_backward_pays(inputs.batch * inputs.kv_heads, torch.get_num_threads())
     if inputs.has_pairs:
-        common = (q, k, v, mask, mask_kind, inputs.is_causal, inputs.scale, stats, do, delta)
-        blocks = (BLOCK_M, BLOCK_N)
+        _run_parallel(softmax_delta, _fp32(out), do, stats, lse_grad, delta)
+        common = (q, k, v, variant, inputs.scale, stats, do, delta)
+        blocks = tile_sizes(inputs, backward=True)
         if fused:
             grads = dq_array, dk_array, dv_array, dmask_array
             _run_parallel(attention_backward_fused, *common, *grads, *blocks)
@@ -631,12 +864,7 @@ class NumbaBackend(FusedBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         max_head_dim=None,
-        bool_mask=True,
-        float_mask=True,
-        causal=True,
-        gqa=True,
-        dropout=False,
-        backward=True,
+        features=frozenset(FEATURES) - {"dropout"},
     )
 
     forward = staticmethod(numba_attention_forward)

@@ -9,53 +9,93 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnperf.backend import Backend, Capabilities
+from attnperf.backend import FEATURES, Backend, Capabilities
 from attnperf.inputs import SUPPORTED_DTYPES, AttentionInputs, prepare
+
+
+def variant_masks(
+    inputs: AttentionInputs, dtype: torch.dtype
+) -> tuple[Tensor | None, Tensor | None]:
+    """The variant as dense tensors: (allowed, bool (B or 1, Hq or 1, L, S): the band and
+    the block mask; alibi, (B, Hq, L, S) in `dtype`: -slope * |i + o - j|), each None when
+    the call has none. Query i's diagonal is key i + o (o = 0 top-left, S - L bottom-right).
+    """
+    rows = torch.arange(inputs.q_len, device=inputs.device)[:, None]
+    cols = torch.arange(inputs.kv_len, device=inputs.device)[None, :]
+    distance = cols - (rows + inputs.offset)  # how far right of row i's diagonal key j is
+    allowed = None
+    if inputs.band is not None:
+        left, right = inputs.band
+        allowed = torch.ones_like(distance, dtype=torch.bool)
+        if left is not None:
+            allowed &= distance >= -left
+        if right is not None:
+            allowed &= distance <= right
+    block_mask = inputs.variant.block_mask
+    if block_mask is not None:
+        dense = block_mask.to_dense().to(inputs.device)
+        allowed = dense if allowed is None else allowed & dense
+    alibi = None
+    if inputs.variant.alibi_slopes is not None:
+        slopes = inputs.variant.alibi_slopes.to(dtype)[:, :, None, None]
+        alibi = -slopes * distance.abs().to(dtype)
+    return allowed, alibi
 
 
 def reference_attention(
     inputs: AttentionInputs, compute_dtype: torch.dtype | None = None
-) -> tuple[Tensor, Tensor]:
-    """(output (B, Hq, L, Ev), weights (B, Hq, L, S)) in the inputs' dtype, computed in
-    `compute_dtype` (default: the inputs' own).
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(output (B, Hq, L, Ev), weights (B, Hq, L, S), both in the inputs' dtype, natural-log
+    LSE (B, Hq, L) float32), computed in `compute_dtype` (default: the inputs' own).
 
     The weights are those applied to the values, after dropout when dropout_p > 0.
     """
     dtype = compute_dtype or inputs.dtype
+    variant = inputs.variant
     query, key, value = (t.to(dtype) for t in (inputs.query, inputs.key, inputs.value))
     group = inputs.q_heads // max(inputs.kv_heads, 1)
     if group > 1:  # grouped-query: each key/value head serves `group` query heads
         key = key.repeat_interleave(group, dim=1)
         value = value.repeat_interleave(group, dim=1)
 
-    # 1. Similarity of every query with every key, scaled.
+    # 1. Similarity of every query with every key, scaled, then softly capped.
     scores = (query @ key.transpose(-2, -1)) * inputs.scale
+    if variant.softcap is not None:
+        scores = variant.softcap * torch.tanh(scores / variant.softcap)
 
-    # 2. Masking. Like SDPA, a bool mask is added as 0 / -inf, so NaN scores stay NaN.
-    if inputs.is_causal:
-        causal = torch.ones(inputs.q_len, inputs.kv_len, dtype=torch.bool, device=inputs.device)
-        scores = scores.masked_fill(~causal.tril(), float("-inf"))
+    # 2. Masks and ALiBi. The structure (band, block mask) overwrites scores with -inf, as
+    #    SDPA's is_causal does; a bool attn_mask is added as 0 / -inf, so NaN stays NaN.
+    allowed, alibi = variant_masks(inputs, scores.dtype)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     if inputs.mask_kind == "bool":
-        bias = torch.zeros_like(scores).masked_fill(~inputs.attn_mask, float("-inf"))
-        scores = scores + bias
+        scores = scores + torch.zeros_like(scores).masked_fill(~inputs.attn_mask, float("-inf"))
     elif inputs.mask_kind == "float":
         scores = scores + inputs.attn_mask.to(scores.dtype)
+    if alibi is not None:
+        scores = scores + alibi
 
     # 3. Numerically stable softmax over the keys. A fully masked row has max -inf:
-    #    shift it by 0 instead so its weights come out 0, not NaN.
+    #    shift it by 0 instead so its weights come out 0 (and its LSE -inf), not NaN.
     if inputs.kv_len > 0:
         row_max = scores.amax(dim=-1, keepdim=True).detach()
         row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
         exp_scores = torch.exp(scores - row_max)
         row_sum = exp_scores.sum(dim=-1, keepdim=True)
-        weights = exp_scores / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
+        seen = row_sum > 0
+        weights = exp_scores / torch.where(seen, row_sum, torch.ones_like(row_sum))
+        log_sum = torch.log(torch.where(seen, row_sum, torch.ones_like(row_sum)))
+        lse = torch.where(seen, row_max + log_sum, float("-inf")).squeeze(-1)
     else:
         weights = scores  # no keys: (B, Hq, L, 0), and the output below is zeros
+        lse = scores.new_full(scores.shape[:-1], float("-inf"))
     if inputs.dropout_p > 0:
         weights = F.dropout(weights, p=inputs.dropout_p)
 
     # 4. Each output row is the weighted sum of the values.
-    return (weights @ value).to(inputs.dtype), weights.to(inputs.dtype)
+    out = (weights @ value).to(inputs.dtype)
+    lse = lse if dtype == torch.float64 else lse.float()
+    return out, weights.to(inputs.dtype), lse
 
 
 def attention_with_weights(
@@ -70,7 +110,7 @@ def attention_with_weights(
 ) -> tuple[Tensor, Tensor]:
     """SDPA's arguments in, (output (..., Hq, L, Ev), weights (..., Hq, L, S)) out."""
     inputs = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    out, weights = reference_attention(inputs)
+    out, weights, _ = reference_attention(inputs)
     weights_shape = (*inputs.out_shape[:-1], inputs.kv_len)
     return inputs.restore(out), weights.reshape(weights_shape)
 
@@ -82,18 +122,14 @@ class ReferenceBackend(Backend):
         devices=("cpu", "cuda"),
         dtypes=SUPPORTED_DTYPES,
         max_head_dim=None,
-        bool_mask=True,
-        float_mask=True,
-        causal=True,
-        gqa=True,
-        dropout=True,
-        backward=True,
+        features=frozenset(FEATURES),  # every one: it is the ground truth
     )
 
-    def run(self, inputs: AttentionInputs) -> Tensor:
+    def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
         # fp16/bf16 computed in fp32, as SDPA does: fp16 scores overflow at |q.k| > 65504.
         half = inputs.dtype in (torch.float16, torch.bfloat16)
-        return reference_attention(inputs, torch.float32 if half else None)[0]
+        out, _, lse = reference_attention(inputs, torch.float32 if half else None)
+        return out, lse if inputs.variant.return_lse else None
 
 
 BACKEND = ReferenceBackend()

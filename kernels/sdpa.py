@@ -2,41 +2,72 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnperf.backend import Backend, Capabilities
+from attnperf.backend import FEATURES, Backend, Capabilities
 from attnperf.inputs import SUPPORTED_DTYPES, AttentionInputs
+from attnperf.kernels.reference import variant_masks
 
 
 class SdpaBackend(Backend):
     name = "sdpa"
     description = "torch.nn.functional.scaled_dot_product_attention on 4-D views"
+    # Window, alignment, ALiBi and block masks the way a user would today: materialised into
+    # an L x S mask (the cost the fused kernels save). SDPA has no softcap and no LSE.
     capabilities = Capabilities(
         devices=("cpu", "cuda"),
         dtypes=SUPPORTED_DTYPES,
         max_head_dim=None,
-        bool_mask=True,
-        float_mask=True,
-        causal=True,
-        gqa=True,
-        dropout=True,
-        backward=True,
+        features=frozenset(FEATURES) - {"softcap", "lse"},
     )
 
-    def run(self, inputs: AttentionInputs) -> Tensor:
+    def run(self, inputs: AttentionInputs) -> tuple[Tensor, None]:
         # Inputs are already 4-D: torch's CPU flash kernel serves only 4-D calls,
         # 3-D and 5-D ones would silently take its slow math path.
-        return F.scaled_dot_product_attention(
+        mask, is_causal = inputs.attn_mask, False
+        allowed, alibi = variant_masks(inputs, inputs.dtype)
+        # A top-left causal band alone (is_causal, or window (None, 0)) is SDPA's is_causal,
+        # in its kernel; anything more is materialised.
+        only_causal = inputs.band == (None, 0) and inputs.offset == 0
+        if only_causal and mask is None and alibi is None and inputs.variant.block_mask is None:
+            allowed, is_causal = None, True
+        if allowed is not None or alibi is not None:
+            mask = materialised_mask(inputs, allowed, alibi)
+        out = F.scaled_dot_product_attention(
             inputs.query,
             inputs.key,
             inputs.value,
-            attn_mask=inputs.attn_mask,
+            attn_mask=mask,
             dropout_p=inputs.dropout_p,
-            is_causal=inputs.is_causal,
+            is_causal=is_causal,
             scale=inputs.scale,
             enable_gqa=inputs.enable_gqa,
         )
+        return out, None
+
+
+def materialised_mask(
+    inputs: AttentionInputs, allowed: Tensor | None, alibi: Tensor | None
+) -> Tensor:
+    """The call's attn_mask combined with the variant's dense masks, as SDPA takes one:
+    bool where everything is bool, else float in the inputs' dtype."""
+    mask = inputs.attn_mask
+    if alibi is None and inputs.mask_kind != "float":
+        if mask is None:
+            return allowed
+        return mask if allowed is None else mask & allowed
+    bias = torch.zeros((), dtype=inputs.dtype, device=inputs.device)
+    if inputs.mask_kind == "float":
+        bias = mask
+    elif inputs.mask_kind == "bool":
+        allowed = mask if allowed is None else mask & allowed
+    if alibi is not None:
+        bias = bias + alibi
+    if allowed is not None:
+        bias = torch.where(allowed, bias, float("-inf"))
+    return bias.to(inputs.dtype)
 
 
 BACKEND = SdpaBackend()

@@ -15,7 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-from attnperf.backend import Capabilities, FusedBackend
+from attnperf.backend import FEATURES, Capabilities, FusedBackend
 from attnperf.inputs import AttentionInputs
 
 try:
@@ -133,6 +133,14 @@ def _autotune(**kwargs):
 
 
 # ---------------------------------------------------------------------------- kernels
+# A call's variant is lowered once (`lower_variant`) into runtime arguments shared by every
+# kernel: the band (left, right around the diagonal i + offset; UNBOUNDED when open),
+# softcap2 = softcap * log2(e), the ALiBi slopes * log2(e) and the block layout (kinds,
+# partial_index, partial with their strides), and constexprs saying which are present.
+UNBOUNDED = 1 << 30
+LAYOUT_EMPTY, LAYOUT_PARTIAL, LAYOUT_FULL = 0, 1, 2  # attnperf.layouts' kinds
+
+
 @_jit
 def base2_bias(value):
     """A float mask's values in base 2: finite stays finite (finfo.min, a common "masked"
@@ -144,15 +152,119 @@ def base2_bias(value):
 
 
 @_jit
-def load_scores(
-    q, K, Mask, b, h, offs_m, start_n, q_len, kv_len, head_dim, scale2,
-    skn, skd, smb, smh, smm, smn,
-    MASK_KIND: tl.constexpr, APPLY_CAUSAL: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WIDEN_DOT: tl.constexpr,
-    IEEE: tl.constexpr,
+def tanh(x):
+    """tanh in fp32 from exp2 (the interpreter has no libdevice): Cephes' tanhf, an odd
+    polynomial below 0.625, else 1 - 2 / (e^2|x| + 1)."""
+    a = tl.minimum(tl.abs(x), 10.0)
+    large = 1.0 - 2.0 / (tl.math.exp2(a * 2.8853900817779268) + 1.0)
+    large = tl.where(x >= 0, large, -large)
+    z = x * x
+    p = -5.70498872745e-3 * z + 2.06390887954e-2
+    p = p * z - 5.37397155531e-2
+    p = p * z + 1.33314422036e-1
+    p = p * z - 3.33332819422e-1
+    return tl.where(a < 0.625, p * z * x + x, large)
+
+
+@_jit
+def key_tile_range(start_m, q_len, kv_len, left, right, offset,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(lo, full_lo, full_hi, hi) for query rows start_m ..: the key tiles from lo (a
+    multiple of BLOCK_N) up to hi hold every key the band lets them see; those starting in
+    [full_lo, full_hi) lie inside the band for every row and need no band mask."""
+    last_m = tl.minimum(start_m + BLOCK_M, q_len) - 1
+    lo = tl.maximum(start_m + offset - left, 0) // BLOCK_N * BLOCK_N
+    hi = tl.maximum(tl.minimum(last_m + offset + right + 1, kv_len), lo)
+    full_lo = (tl.maximum(last_m + offset - left, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(start_m + offset + right + 1, 0) // BLOCK_N * BLOCK_N
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@_jit
+def query_tile_range(start_n, q_len, left, right, offset,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(lo, hi): query tiles from lo (a multiple of BLOCK_M) up to hi hold every row that
+    may see keys start_n .. start_n + BLOCK_N - 1 in the band."""
+    lo = tl.maximum(start_n - offset - right, 0) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(start_n + BLOCK_N - 1 - offset + left + 1, q_len)
+    return lo, tl.maximum(hi, lo)
+
+
+@_jit
+def layout_kinds(Kinds, b, h, offs_m, offs_n, q_len, kv_len, lkb, lkh, lkq,
+                 LAYOUT_Q: tl.constexpr, LAYOUT_K: tl.constexpr):  # fmt: skip
+    """The block layout's kind of each element's block (EMPTY outside L x S)."""
+    in_bounds = (offs_m[:, None] < q_len) & (offs_n[None, :] < kv_len)
+    blocks = (offs_m // LAYOUT_Q)[:, None] * lkq + (offs_n // LAYOUT_K)[None, :]
+    return tl.load(Kinds + b * lkb + h * lkh + blocks, mask=in_bounds, other=0).to(tl.int32)
+
+
+@_jit
+def tile_seen(
+    Kinds, b, h, offs_m, offs_n, q_len, kv_len, lkb, lkh, lkq,
+    HAS_LAYOUT: tl.constexpr, LAYOUT_Q: tl.constexpr, LAYOUT_K: tl.constexpr,
 ):  # fmt: skip
-    """Base-2 scores (BLOCK_M, BLOCK_N) of one tile: scale, mask, causal and ragged edges."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    """Whether the block layout leaves anything of the tile (always, without a layout)."""
+    if HAS_LAYOUT:
+        kinds = layout_kinds(Kinds, b, h, offs_m, offs_n, q_len, kv_len, lkb, lkh, lkq,
+                             LAYOUT_Q, LAYOUT_K)  # fmt: skip
+        return tl.max(tl.max(kinds, 1), 0) != 0
+    return True
+
+
+@_jit
+def modify_scores(
+    s, b, h, offs_m, offs_n, q_len, kv_len,
+    Mask, smb, smh, smm, smn, left, right, offset, softcap2, Alibi, q_heads,
+    Kinds, PartialIndex, Partial, lkb, lkh, lkq,
+    MASK_KIND: tl.constexpr, APPLY_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_Q: tl.constexpr,
+    LAYOUT_K: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """Base-2 scaled scores of one tile, modified: softcap, attn_mask, ALiBi, the band
+    (where APPLY_BAND), the block layout and the ragged edge; -inf where excluded.
+    Returns (scores, the softcap's gradient factor 1 - tanh^2, or 1.0 without one)."""
+    dtanh = 1.0
+    if HAS_SOFTCAP:
+        t = tanh(s / softcap2)
+        s = softcap2 * t
+        dtanh = 1.0 - t * t
+    in_bounds = (offs_m[:, None] < q_len) & (offs_n[None, :] < kv_len)
+    if MASK_KIND != 0:
+        mask_ptrs = Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn
+        if MASK_KIND == 2:
+            s += base2_bias(tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32))
+        else:  # bool: added as 0 / -inf like SDPA, so a NaN score stays NaN
+            allowed = tl.load(mask_ptrs, mask=in_bounds, other=1) != 0
+            s += tl.where(allowed, 0.0, float("-inf"))
+    # Key j's distance right of row i's diagonal, j - (i + offset).
+    distance = offs_n[None, :] - (offs_m[:, None] + offset)
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + b * q_heads + h)
+        s -= slope * tl.abs(distance).to(tl.float32)
+    if APPLY_BAND:
+        s = tl.where((distance >= -left) & (distance <= right), s, float("-inf"))
+    if HAS_LAYOUT:
+        kinds = layout_kinds(Kinds, b, h, offs_m, offs_n, q_len, kv_len, lkb, lkh, lkq,
+                             LAYOUT_Q, LAYOUT_K)  # fmt: skip
+        blocks = (offs_m // LAYOUT_Q)[:, None] * lkq + (offs_n // LAYOUT_K)[None, :]
+        partial = kinds == 1  # LAYOUT_PARTIAL (kernels see literals, not globals)
+        index = tl.load(PartialIndex + b * lkb + h * lkh + blocks, mask=partial, other=0)
+        inside = (offs_m % LAYOUT_Q)[:, None] * LAYOUT_K + (offs_n % LAYOUT_K)[None, :]
+        bits = tl.load(Partial + index.to(tl.int64) * (LAYOUT_Q * LAYOUT_K) + inside,
+                       mask=partial, other=0)  # fmt: skip
+        s = tl.where((kinds == 2) | (partial & (bits != 0)), s, float("-inf"))  # 2: FULL
+    if not EVEN_N:
+        s = tl.where(offs_n[None, :] < kv_len, s, float("-inf"))
+    return s, dtanh
+
+
+@_jit
+def tile_scores(q, K, offs_n, kv_len, head_dim, scale2, skn, skd,
+                BLOCK_D: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """scale * log2(e) * q k^T of one tile, in fp32."""
     offs_d = tl.arange(0, BLOCK_D)
     k = tl.load(
         K + offs_n[None, :] * skn + offs_d[:, None] * skd,
@@ -165,20 +277,7 @@ def load_scores(
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
-    s = s * scale2
-    in_bounds = (offs_m[:, None] < q_len) & (offs_n[None, :] < kv_len)
-    if MASK_KIND != 0:
-        mask_ptrs = Mask + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn
-        if MASK_KIND == 2:
-            s += base2_bias(tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32))
-        else:  # bool: added as 0 / -inf like SDPA, so a NaN score stays NaN
-            allowed = tl.load(mask_ptrs, mask=in_bounds, other=1) != 0
-            s += tl.where(allowed, 0.0, float("-inf"))
-    if APPLY_CAUSAL:
-        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
-    if not EVEN_N:
-        s = tl.where(offs_n[None, :] < kv_len, s, float("-inf"))
-    return s
+    return s * scale2
 
 
 @_jit
@@ -192,9 +291,10 @@ def dot_pv(p, v, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr):
 
 @_autotune(
     configs=forward_configs(),
-    key=["q_len_class", "kv_len_class", "head_dim", "value_dim", "MASK_KIND", "CAUSAL"],
+    key=["q_len_class", "kv_len_class", "head_dim", "value_dim", "MASK_KIND", "HAS_BAND",
+         "HAS_SOFTCAP", "HAS_ALIBI", "HAS_LAYOUT"],
     prune_configs_by={"early_config_prune": prune_forward_configs},
-)
+)  # fmt: skip
 @(
     triton.heuristics({"EVEN_N": lambda args: args["kv_len"] % args["BLOCK_N"] == 0})
     if triton
@@ -206,7 +306,10 @@ def online_softmax_forward_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn, sob, soh, som, sod,
     q_heads, group, q_len, kv_len, head_dim, value_dim, scale2, q_len_class, kv_len_class,
-    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    left, right, offset, softcap2, Alibi, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
+    MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_Q: tl.constexpr,
+    LAYOUT_K: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
@@ -217,7 +320,8 @@ def online_softmax_forward_kernel(
     b = bh // q_heads
     h = bh % q_heads
     hk = h // group
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = tile * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(
@@ -230,36 +334,38 @@ def online_softmax_forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # Causal: tiles left of the diagonal need no causal mask, tiles right of it are skipped.
-    diagonal_start = kv_len
-    kv_end = kv_len
-    if CAUSAL:
-        diagonal_start = tl.minimum((tile * BLOCK_M) // BLOCK_N * BLOCK_N, kv_len)
-        kv_end = tl.minimum((tile + 1) * BLOCK_M, kv_len)
-    for phase in tl.static_range(2):
-        lo = 0 if phase == 0 else diagonal_start
-        hi = diagonal_start if phase == 0 else kv_end
-        for start_n in range(lo, hi, BLOCK_N):
-            s = load_scores(
-                q, K_bh, Mask, b, h, offs_m, start_n, q_len, kv_len,
-                head_dim, scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, phase == 1, EVEN_N,
-                BLOCK_N, BLOCK_D, WIDEN_DOT, IEEE,
-            )  # fmt: skip
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row with nothing allowed yet shifts by 0: its exp2 stays 0, not NaN.
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - shift[:, None])
-            alpha = tl.math.exp2(m_i - shift)
-            l_i = l_i * alpha + tl.sum(p, 1)
+    # Tiles the band cuts come first and last, masked; those inside it need no band mask.
+    lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, kv_len, left, right, offset,
+                                              BLOCK_M, BLOCK_N)  # fmt: skip
+    for phase in tl.static_range(3):
+        first = lo if phase == 0 else (full_lo if phase == 1 else full_hi)
+        end = full_lo if phase == 0 else (full_hi if phase == 1 else hi)
+        for start_n in range(first, end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            v = tl.load(
-                V_bh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                mask=(offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim),
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + dot_pv(p, v, WIDEN_DOT, IEEE)
-            m_i = m_new
-    # Fully masked rows (sum 0) give 0, and so does their backward (p = 2**s * 0).
+            if tile_seen(Kinds, b, h, offs_m, offs_n, q_len, kv_len, lkb, lkh, lkq,
+                         HAS_LAYOUT, LAYOUT_Q, LAYOUT_K):  # fmt: skip
+                s = tile_scores(q, K_bh, offs_n, kv_len, head_dim, scale2, skn, skd, BLOCK_D,
+                                WIDEN_DOT, IEEE)  # fmt: skip
+                s, _ = modify_scores(
+                    s, b, h, offs_m, offs_n, q_len, kv_len, Mask, smb, smh, smm, smn, left,
+                    right, offset, softcap2, Alibi, q_heads, Kinds, PartialIndex, Partial,
+                    lkb, lkh, lkq, MASK_KIND, HAS_BAND and phase != 1, HAS_SOFTCAP,
+                    HAS_ALIBI, HAS_LAYOUT, LAYOUT_Q, LAYOUT_K, EVEN_N,
+                )  # fmt: skip
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # A row with nothing allowed yet shifts by 0: its exp2 stays 0, not NaN.
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s - shift[:, None])
+                alpha = tl.math.exp2(m_i - shift)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    V_bh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                    mask=(offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim),
+                    other=0.0,
+                )
+                acc = acc * alpha[:, None] + dot_pv(p, v, WIDEN_DOT, IEEE)
+                m_i = m_new
+    # Rows that see no key (sum 0) give 0, and so does their backward (p = 2**s * 0).
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
@@ -287,23 +393,29 @@ def attention_backward_preprocess(
 
 @_jit
 def recompute_probabilities(
-    q, K_bh, Mask, Stats, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim, scale2,
+    q, K_bh, Mask, Stats, b, h, bh, offs_m, offs_n, q_len, kv_len, head_dim, scale2,
     skn, skd, smb, smh, smm, smn,
-    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
+    left, right, offset, softcap2, Alibi, q_heads, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
+    MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_Q: tl.constexpr,
+    LAYOUT_K: tl.constexpr, BLOCK_D: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):  # fmt: skip
-    """P (BLOCK_M, BLOCK_N) of one tile from the rows' saved max and sum: kept apart, they
-    hold the sum where max + log2(sum) would round it away (scores near finfo.min)."""
-    s = load_scores(
-        q, K_bh, Mask, b, h, offs_m, start_n, q_len, kv_len,
-        head_dim, scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, False, BLOCK_N,
-        BLOCK_D, WIDEN_DOT, IEEE,
+    """(P, the softcap's gradient factor) of one tile from the rows' saved max and sum:
+    kept apart, they hold the sum where max + log2(sum) would round it away (scores near
+    finfo.min)."""
+    s = tile_scores(q, K_bh, offs_n, kv_len, head_dim, scale2, skn, skd, BLOCK_D, WIDEN_DOT,
+                    IEEE)  # fmt: skip
+    s, dtanh = modify_scores(
+        s, b, h, offs_m, offs_n, q_len, kv_len, Mask, smb, smh, smm, smn, left, right,
+        offset, softcap2, Alibi, q_heads, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
+        MASK_KIND, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_LAYOUT, LAYOUT_Q, LAYOUT_K, False,
     )  # fmt: skip
     stats = Stats + (bh * q_len + offs_m) * 2
     row_max = tl.load(stats, mask=offs_m < q_len, other=0.0)
     row_sum = tl.load(stats + 1, mask=offs_m < q_len, other=0.0)
     inverse = tl.where(row_sum == 0.0, 0.0, 1.0 / tl.where(row_sum == 0.0, 1.0, row_sum))
-    return tl.math.exp2(s - row_max[:, None]) * inverse[:, None]
+    return tl.math.exp2(s - row_max[:, None]) * inverse[:, None], dtanh
 
 
 @_jit
@@ -312,7 +424,10 @@ def attention_backward_dkdv_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn, sdb, sdh, sdm, sdd,
     q_heads, kv_heads, group, q_len, kv_len, head_dim, value_dim, scale2, scale,
-    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    left, right, offset, softcap2, Alibi, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
+    MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_Q: tl.constexpr,
+    LAYOUT_K: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -336,33 +451,36 @@ def attention_backward_dkdv_kernel(
     )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    q_start = 0
-    if CAUSAL:  # rows above the tile's first key see none of its keys
-        q_start = start_n // BLOCK_M * BLOCK_M
+    q_lo, q_hi = query_tile_range(start_n, q_len, left, right, offset, BLOCK_M, BLOCK_N)
     for h in range(hk * group, (hk + 1) * group):
         bh = b * q_heads + h
-        for start_m in range(q_start, q_len, BLOCK_M):
+        for start_m in range(q_lo, q_hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load(
-                Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim),
-                other=0.0,
-            )
-            p = recompute_probabilities(
-                q, K_bh, Mask, Stats, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim,
-                scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, BLOCK_N, BLOCK_D,
-                WIDEN_DOT, IEEE,
-            )  # fmt: skip
-            do = tl.load(
-                GradOut + (bh * q_len + offs_m[:, None]) * value_dim + offs_dv[None, :],
-                mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < value_dim),
-                other=0.0,
-            )
-            dv += dot_pv(tl.trans(p), do, WIDEN_DOT, IEEE)
-            dp = dot_pv(do.to(tl.float32) if WIDEN_DOT else do, tl.trans(v), WIDEN_DOT, IEEE)
-            delta = tl.load(Delta + bh * q_len + offs_m, mask=offs_m < q_len, other=0.0)
-            ds = p * (dp - delta[:, None])
-            dk += dot_pv(tl.trans(ds), q, WIDEN_DOT, IEEE)
+            if tile_seen(Kinds, b, h, offs_m, offs_n, q_len, kv_len, lkb, lkh, lkq,
+                         HAS_LAYOUT, LAYOUT_Q, LAYOUT_K):  # fmt: skip
+                q = tl.load(
+                    Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                    mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim),
+                    other=0.0,
+                )
+                p, dtanh = recompute_probabilities(
+                    q, K_bh, Mask, Stats, b, h, bh, offs_m, offs_n, q_len, kv_len, head_dim,
+                    scale2, skn, skd, smb, smh, smm, smn, left, right, offset, softcap2,
+                    Alibi, q_heads, Kinds, PartialIndex, Partial, lkb, lkh, lkq, MASK_KIND,
+                    HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_LAYOUT, LAYOUT_Q, LAYOUT_K,
+                    BLOCK_D, WIDEN_DOT, IEEE,
+                )  # fmt: skip
+                do = tl.load(
+                    GradOut + (bh * q_len + offs_m[:, None]) * value_dim + offs_dv[None, :],
+                    mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < value_dim),
+                    other=0.0,
+                )
+                dv += dot_pv(tl.trans(p), do, WIDEN_DOT, IEEE)
+                dp = dot_pv(do.to(tl.float32) if WIDEN_DOT else do, tl.trans(v), WIDEN_DOT,
+                            IEEE)  # fmt: skip
+                delta = tl.load(Delta + bh * q_len + offs_m, mask=offs_m < q_len, other=0.0)
+                ds = p * (dp - delta[:, None]) * dtanh
+                dk += dot_pv(tl.trans(ds), q, WIDEN_DOT, IEEE)
     out_mask_k = (offs_n[:, None] < kv_len) & (offs_d[None, :] < head_dim)
     out_mask_v = (offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim)
     base = bhk * kv_len + offs_n[:, None]
@@ -377,17 +495,22 @@ def attention_backward_dq_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn,
     q_heads, group, q_len, kv_len, head_dim, value_dim, scale2, scale,
-    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, WANT_DMASK: tl.constexpr,
+    left, right, offset, softcap2, Alibi, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
+    MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_Q: tl.constexpr,
+    LAYOUT_K: tl.constexpr, WANT_DMASK: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query tile; with WANT_DMASK also dS into a contiguous (B, Hq, L, S) DMask."""
+    """dQ of one query tile; with WANT_DMASK also dS into a contiguous (B, Hq, L, S) DMask
+    (zeros where a tile is skipped: its dS is 0)."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
     h = bh % q_heads
     hk = h // group
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = tile * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < q_len
@@ -404,35 +527,39 @@ def attention_backward_dq_kernel(
     delta = tl.load(Delta + bh * q_len + offs_m, mask=row_ok, other=0.0)
     K_bh = K + b * skb + hk * skh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kv_end = kv_len
-    if CAUSAL:
-        kv_end = tl.minimum((tile + 1) * BLOCK_M, kv_len)
-    for start_n in range(0, kv_end, BLOCK_N):
+    lo, _, _, hi = key_tile_range(start_m, q_len, kv_len, left, right, offset, BLOCK_M,
+                                  BLOCK_N)  # fmt: skip
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        p = recompute_probabilities(
-            q, K_bh, Mask, Stats, b, h, bh, offs_m, start_n, q_len, kv_len, head_dim,
-            scale2, skn, skd, smb, smh, smm, smn, MASK_KIND, CAUSAL, BLOCK_N, BLOCK_D,
-            WIDEN_DOT, IEEE,
-        )  # fmt: skip
-        v = tl.load(
-            V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-            mask=(offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim),
-            other=0.0,
-        )
-        dp = dot_pv(do.to(tl.float32) if WIDEN_DOT else do, tl.trans(v), WIDEN_DOT, IEEE)
-        ds = p * (dp - delta[:, None])
-        if WANT_DMASK:
-            tl.store(
-                DMask + (bh * q_len + offs_m[:, None]) * kv_len + offs_n[None, :],
-                ds,
-                mask=row_ok[:, None] & (offs_n[None, :] < kv_len),
+        if tile_seen(Kinds, b, h, offs_m, offs_n, q_len, kv_len, lkb, lkh, lkq,
+                     HAS_LAYOUT, LAYOUT_Q, LAYOUT_K):  # fmt: skip
+            p, dtanh = recompute_probabilities(
+                q, K_bh, Mask, Stats, b, h, bh, offs_m, offs_n, q_len, kv_len, head_dim,
+                scale2, skn, skd, smb, smh, smm, smn, left, right, offset, softcap2, Alibi,
+                q_heads, Kinds, PartialIndex, Partial, lkb, lkh, lkq, MASK_KIND, HAS_BAND,
+                HAS_SOFTCAP, HAS_ALIBI, HAS_LAYOUT, LAYOUT_Q, LAYOUT_K, BLOCK_D, WIDEN_DOT,
+                IEEE,
+            )  # fmt: skip
+            v = tl.load(
+                V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                mask=(offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim),
+                other=0.0,
             )
-        k = tl.load(
-            K_bh + offs_n[:, None] * skn + offs_d[None, :] * skd,
-            mask=(offs_n[:, None] < kv_len) & (offs_d[None, :] < head_dim),
-            other=0.0,
-        )
-        dq += dot_pv(ds, k, WIDEN_DOT, IEEE)
+            dp = dot_pv(do.to(tl.float32) if WIDEN_DOT else do, tl.trans(v), WIDEN_DOT, IEEE)
+            ds = p * (dp - delta[:, None])
+            if WANT_DMASK:  # the float mask is added after the softcap: its gradient is dS
+                tl.store(
+                    DMask + (bh * q_len + offs_m[:, None]) * kv_len + offs_n[None, :],
+                    ds,
+                    mask=row_ok[:, None] & (offs_n[None, :] < kv_len),
+                )
+            ds = ds * dtanh
+            k = tl.load(
+                K_bh + offs_n[:, None] * skn + offs_d[None, :] * skd,
+                mask=(offs_n[:, None] < kv_len) & (offs_d[None, :] < head_dim),
+                other=0.0,
+            )
+            dq += dot_pv(ds, k, WIDEN_DOT, IEEE)
     tl.store(
         DQ + (bh * q_len + offs_m[:, None]) * head_dim + offs_d[None, :],
         (dq * scale).to(DQ.dtype.element_ty),
@@ -447,6 +574,45 @@ def _mask_args(inputs: AttentionInputs, like: Tensor) -> tuple[Tensor, tuple[int
     if mask is None:
         return like, (0, 0, 0, 0), MASK_NONE
     return mask.detach(), mask.stride(), MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT
+
+
+def lower_variant(inputs: AttentionInputs) -> tuple[dict, dict]:
+    """The call's variant as the kernels' runtime arguments and constexprs (see UNBOUNDED)."""
+    variant, device = inputs.variant, inputs.device
+    left, right = inputs.band or (None, None)
+    slopes = variant.alibi_slopes
+    layout = variant.block_mask
+    dummy = torch.zeros(1, dtype=torch.int32, device=device)
+    args = {
+        "left": UNBOUNDED if left is None else min(left, UNBOUNDED),
+        "right": UNBOUNDED if right is None else min(right, UNBOUNDED),
+        "offset": inputs.offset,
+        "softcap2": variant.softcap * LOG2E if variant.softcap is not None else 1.0,
+        "Alibi": dummy if slopes is None else (slopes * LOG2E).float().contiguous(),
+        "Kinds": dummy, "PartialIndex": dummy, "Partial": dummy, "lkb": 0, "lkh": 0, "lkq": 0,
+    }  # fmt: skip
+    flags = {
+        "HAS_BAND": inputs.band is not None,
+        "HAS_SOFTCAP": variant.softcap is not None,
+        "HAS_ALIBI": slopes is not None,
+        "HAS_LAYOUT": layout is not None,
+        "LAYOUT_Q": 16,
+        "LAYOUT_K": 16,
+    }
+    if layout is not None:
+        kinds = layout.kinds.contiguous()
+        args.update(
+            Kinds=kinds,
+            PartialIndex=layout.partial_index.contiguous(),
+            # Never empty: a pointer to nothing would still be read under a false mask.
+            Partial=layout.partial if len(layout.partial) else torch.zeros(
+                (1, *layout.block_size), dtype=torch.bool, device=device),
+            lkb=kinds.stride(0) if kinds.shape[0] > 1 else 0,
+            lkh=kinds.stride(1) if kinds.shape[1] > 1 else 0,
+            lkq=kinds.stride(2),
+        )  # fmt: skip
+        flags.update(LAYOUT_Q=layout.block_size[0], LAYOUT_K=layout.block_size[1])
+    return args, flags
 
 
 def _kernel_flags(inputs: AttentionInputs) -> dict:
@@ -477,21 +643,27 @@ def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     if not inputs.has_pairs:  # no key is seen
         return out.zero_().to(q.dtype), stats.zero_()
     mask, mask_strides, mask_kind = _mask_args(inputs, q)
+    variant_args, variant_flags = lower_variant(inputs)
     grid = lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), batch * q_heads)  # noqa: E731
     online_softmax_forward_kernel[grid](
         q, k, v, mask, out, stats, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
         *out.stride(), q_heads, q_heads // inputs.kv_heads, q_len, inputs.kv_len,
         inputs.head_dim, inputs.value_dim, inputs.scale * LOG2E, _next_power_of_2(q_len),
-        _next_power_of_2(inputs.kv_len), MASK_KIND=mask_kind, CAUSAL=inputs.is_causal,
-        **_kernel_flags(inputs),
+        _next_power_of_2(inputs.kv_len), **variant_args, MASK_KIND=mask_kind,
+        **variant_flags, **_kernel_flags(inputs),
     )  # fmt: skip
     return out.to(q.dtype), stats
 
 
 def triton_attention_backward(
-    inputs: AttentionInputs, out: Tensor, stats: Tensor, grad_out: Tensor
+    inputs: AttentionInputs,
+    out: Tensor,
+    stats: Tensor,
+    grad_out: Tensor,
+    grad_lse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """(dq, dk, dv, dmask or None) by FlashAttention-2's deterministic scheme."""
+    """(dq, dk, dv, dmask or None) by FlashAttention-2's deterministic scheme; `grad_lse`
+    (B, Hq, L), the LSE's gradient, only shifts delta = rowsum(dO * O)."""
     q, k, v = inputs.query.detach(), inputs.key.detach(), inputs.value.detach()
     batch, q_heads, q_len, _ = q.shape
     kv_heads, kv_len = inputs.kv_heads, inputs.kv_len
@@ -513,21 +685,24 @@ def triton_attention_backward(
     attention_backward_preprocess[(triton.cdiv(rows, 64),)](
         out, grad_out, delta, rows, inputs.value_dim, BLOCK_M=64, BLOCK_DV=flags["BLOCK_DV"]
     )
+    if grad_lse is not None:  # adds p * dLSE to every dS: the same as lowering delta by it
+        delta -= torch.where(stats[..., 1] > 0, grad_lse.detach().float(), 0.0)
     mask, mask_strides, mask_kind = _mask_args(inputs, q)
+    variant_args, variant_flags = lower_variant(inputs)
     block, stages = backward_config(inputs, q.device.index)
     common = (*q.stride(), *k.stride(), *v.stride(), *mask_strides)
     attention_backward_dkdv_kernel[(triton.cdiv(kv_len, block), batch * kv_heads)](
         q, k, v, mask, grad_out, stats, delta, dk, dv, *common, *dk.stride(), q_heads, kv_heads,
         q_heads // kv_heads, q_len, kv_len, inputs.head_dim, inputs.value_dim,
-        inputs.scale * LOG2E, inputs.scale, MASK_KIND=mask_kind, CAUSAL=inputs.is_causal,
-        BLOCK_M=block, BLOCK_N=block, num_stages=stages, **flags,
+        inputs.scale * LOG2E, inputs.scale, **variant_args, MASK_KIND=mask_kind,
+        **variant_flags, BLOCK_M=block, BLOCK_N=block, num_stages=stages, **flags,
     )  # fmt: skip
     attention_backward_dq_kernel[(triton.cdiv(q_len, block), batch * q_heads)](
         q, k, v, mask, grad_out, stats, delta, dq, dq if dmask is None else dmask, *common,
         q_heads, q_heads // kv_heads, q_len, kv_len, inputs.head_dim, inputs.value_dim,
-        inputs.scale * LOG2E, inputs.scale,
-        MASK_KIND=mask_kind, CAUSAL=inputs.is_causal, WANT_DMASK=want_dmask, BLOCK_M=block,
-        BLOCK_N=block, num_stages=stages, **flags,
+        inputs.scale * LOG2E, inputs.scale, **variant_args, MASK_KIND=mask_kind,
+        **variant_flags, WANT_DMASK=want_dmask, BLOCK_M=block, BLOCK_N=block,
+        num_stages=stages, **flags,
     )  # fmt: skip
     return _finish_grads(inputs, dq, dk, dv, dmask)
 
@@ -545,12 +720,7 @@ class TritonBackend(FusedBackend):
         devices=("cuda", "cpu") if INTERPRET else ("cuda",),
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         max_head_dim=MAX_HEAD_DIM,
-        bool_mask=True,
-        float_mask=True,
-        causal=True,
-        gqa=True,
-        dropout=False,
-        backward=True,
+        features=frozenset(FEATURES) - {"dropout"},
     )
 
     forward = staticmethod(triton_attention_forward)

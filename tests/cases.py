@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from attnperf import dispatch
+import attnperf
+from attnperf import dispatch, layouts
 from attnperf.backend import DTYPE_NAMES, Backend
 from attnperf.inputs import prepare
 
@@ -33,6 +34,7 @@ class Case:
     logit_gain: float = 1.0
     transposed: bool = False  # q, k, v are (B, L, H, E) tensors viewed as (B, H, L, E)
     kwargs: dict = field(default_factory=dict)
+    variant: dict = field(default_factory=dict)  # attention's variant keywords; see VARIANT_CASES
 
     def build(self, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> dict:
         """SDPA's arguments for this case, drawn in fp32 and rounded to `dtype`."""
@@ -62,6 +64,8 @@ class Case:
             args["attn_mask"] = MASKS[self.mask](self, gen, heads_q).to(device)
             if args["attn_mask"].is_floating_point():
                 args["attn_mask"] = args["attn_mask"].to(dtype)
+        for name, value in self.variant.items():
+            args[name] = value(self, gen).to(device) if callable(value) else value
         return args
 
 
@@ -137,6 +141,74 @@ CASES = [
 ]
 
 
+def _slopes(per_batch: bool):
+    def make(case, gen):
+        return torch.rand(*(case.batch if per_batch else ()), case.q_heads, generator=gen)
+
+    return make
+
+
+def _layout(mask_fn, block_size=16):
+    """A BlockMask of `mask_fn` (or of what `mask_fn(case, gen)` makes) for the case."""
+
+    def make(case, gen):
+        fn = mask_fn(case, gen) if mask_fn is _random_tiles else mask_fn
+        return attnperf.block_mask(fn, None, case.q_heads, case.q_len, case.kv_len,
+                                   block_size=block_size)  # fmt: skip
+
+    return make
+
+
+def _random_tiles(case, gen):
+    # Whole tiles on and off (and some partial ones): every layout kind in one call.
+    tiles = torch.rand(-(-case.q_len // 16), -(-case.kv_len // 16), generator=gen) > 0.5
+    fine = torch.rand(case.q_len, case.kv_len, generator=gen) > 0.3
+    return lambda b, h, q, k: tiles[q // 16, k // 16] & (fine[q, k] | (q % 3 != 0))
+
+
+_DOCUMENTS = torch.tensor([0, 11, 12, 30, 50])  # a one-token document among them
+
+# Variant presets, each aimed at a distinct code path of the fused kernels (band edges
+# inside and outside tiles, empty rows, both alignments, the softcap's saturation, ALiBi's
+# two slope shapes, every kind of block). At these lengths the kernels' tiles (numba 128 x
+# 512, triton 32 x 32 under the interpreter) are cut by the band and the layout;
+# tests/test_numba.py runs them again on 16 x 32 tiles to cross numba's tile boundaries.
+VARIANT_CASES = [
+    Case("window_small", variant={"window": (5, 3)}),
+    Case("window_left_only", variant={"window": (7, None)}),
+    Case("window_right_only", variant={"window": (None, 4)}),
+    Case("window_0", variant={"window": (0, 0)}),
+    Case("window_1_causal", is_causal=True, variant={"window": (1, 9)}),
+    Case("window_ge_S", variant={"window": (100, 100)}),
+    Case("causal_bottom_right_L_lt_S", is_causal=True, q_len=13, kv_len=45,
+         variant={"align": "bottom_right"}),
+    Case("causal_bottom_right_L_gt_S", is_causal=True, q_len=45, kv_len=13,
+         variant={"align": "bottom_right", "return_lse": True}),  # empty rows: lse -inf
+    Case("window_bottom_right_gqa", q_heads=4, kv_heads=2, q_len=20, kv_len=50,
+         variant={"window": (8, 2), "align": "bottom_right"}),
+    Case("softcap_past_cap", logit_gain=8.0, variant={"softcap": 2.0, "return_lse": True}),
+    Case("softcap_gqa_float_mask", q_heads=4, kv_heads=1,
+         mask="float_broadcast", variant={"softcap": 5.0}),
+    Case("alibi_heads_causal", is_causal=True, variant={"alibi_slopes": _slopes(False)}),
+    Case("alibi_batch_bottom_right", q_len=20, kv_len=45,
+         variant={"alibi_slopes": _slopes(True), "align": "bottom_right", "window": (6, 6)}),
+    Case("block_causal", variant={"block_mask": _layout(layouts.causal())}),
+    Case("block_sliding", q_len=60, kv_len=60,
+         variant={"block_mask": _layout(layouts.sliding_window(9))}),
+    Case("block_document", q_len=50, kv_len=50,
+         variant={"block_mask": _layout(layouts.document(_DOCUMENTS, is_causal=True))}),
+    Case("block_prefix_lm", q_len=40, kv_len=40,
+         variant={"block_mask": _layout(layouts.prefix_lm(10), (32, 16))}),
+    Case("block_random_with_window", q_len=50, kv_len=70, variant={
+        "block_mask": _layout(_random_tiles), "window": (20, 5), "return_lse": True}),
+    Case("lse_bool_mask_empty_rows", mask="bool", variant={"return_lse": True}),
+    Case("everything_gqa", q_heads=4, kv_heads=2, is_causal=True, q_len=30, kv_len=60,
+         logit_gain=4.0, variant={
+             "window": (12, None), "align": "bottom_right", "softcap": 3.0,
+             "alibi_slopes": _slopes(True), "return_lse": True,
+             "block_mask": _layout(_random_tiles)}),
+]  # fmt: skip
+
 # Where torch's own CPU kernels (the sdpa backend) were seen to miss the rule (on AVX-512,
 # and on AVX2 with ATEN_CPU_CAPABILITY=avx2). Which kernel torch runs depends on the CPU, so
 # these are judged at run time: see `torch_may_deviate`. Keyed by (backend, case id, dtype,
@@ -168,11 +240,30 @@ def output_and_gradients(fn, args, grad_out, cast=None):
     return out, {name: leaf.grad for name, leaf in leaves.items()}
 
 
+def results_and_gradients(fn, args, seed=1):
+    """(out, lse or None, gradients of sum(out * g) + sum(finite lse * g') by name)."""
+    leaves = {}
+    call = dict(args)
+    for name in ("query", "key", "value", "attn_mask"):
+        tensor = args.get(name)
+        if tensor is not None and tensor.is_floating_point():
+            leaves[name] = call[name] = tensor.detach().requires_grad_()
+    result = fn(**call)
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    gen = torch.Generator().manual_seed(seed)
+    loss = (out * torch.randn(out.shape, generator=gen).to(out)).sum()
+    if lse is not None:
+        weights = torch.randn(lse.shape, generator=gen).to(lse)
+        loss = loss + torch.where(lse.isfinite(), lse * weights, 0.0).sum()
+    loss.backward()
+    return out, lse, {name: leaf.grad for name, leaf in leaves.items()}
+
+
 def backend_params(cases=CASES, dtypes=GRID_DTYPES, *, need_backward=False):
     """pytest params (backend, case, dtype) for every combination a backend declares."""
     params = []
     for backend in dispatch.registry().values():
-        if need_backward and not backend.capabilities.backward:
+        if need_backward and "backward" not in backend.capabilities.features:
             continue
         unavailable = backend.unavailable_reason()
         if unavailable:

@@ -55,6 +55,31 @@ def test_flops_follow_the_documented_count():
     assert attention_flops(config, 128, False, "forward+backward") == 3.5 * 4 * 6 * 128**2 * 64
 
 
+def test_variant_flops_count_only_the_pairs_that_take_part():
+    config = BenchConfig(batch=1, heads=2, head_dim=8, window=4)
+    # 10 rows, each sees min(i + 1, 4) keys: 1 + 2 + 3 + 4 * 7 = 34 pairs.
+    assert attention_flops(config, 10, True, "forward") == 4 * 2 * 34 * 8
+    documents = BenchConfig(batch=1, heads=1, head_dim=1, block_mask="document")
+    # L = 2048: two causal documents of 1024 tokens.
+    assert attention_flops(documents, 2048, False, "forward") == 4 * 2 * (1024 * 1025 // 2)
+
+
+def test_a_variant_sweep_gives_sdpa_its_mask_built_once():
+    config = BenchConfig(
+        lengths=(64, 128), heads=2, head_dim=16, causal=(True,), window=16, softcap=None,
+        alibi=True, backends=("sdpa", "reference"), rounds=1, memory=False,
+    )  # fmt: skip
+    points = run_sweep(config)
+    assert all(p.status == "ok" and p.median_s > 0 for p in points)
+    assert {p.note for p in points if p.backend == "sdpa"} == {
+        "+0.0 MiB mask built once",
+        "+0.1 MiB mask built once",
+    }
+    softcapped = run_sweep(BenchConfig(lengths=(32,), heads=2, head_dim=16, softcap=5.0,
+                                       backends=("sdpa",), rounds=1, memory=False))  # fmt: skip
+    assert all("softcap not supported" in p.status for p in softcapped)
+
+
 def point(backend, length, median, spread=0.02):
     p = Measurement(backend, length, False, "forward", median_s=median, flops=1e9)
     p.min_s, p.max_s = median * (1 - spread / 2), median * (1 + spread / 2)
@@ -136,7 +161,8 @@ def test_gpu_check_script_runs_end_to_end_under_the_interpreter(tmp_path):
     assert "FAIL" not in result.stdout
     header, *rows = csv_path.read_text().splitlines()
     assert header.startswith("dtype,head_dim,L,causal,pass,kernel,ms,tflops")
-    assert len(rows) == 2 * 2 * 1 * 2 * 2  # dtypes x head dims x lengths x causal x passes
+    assert len(rows) == 2 * 2 * 1 * 2 * 2 + 10  # dtypes x head dims x lengths x causal x
+    # passes, then the variant rows: (triton, flex, sdpa_mask) + (triton, flex) x passes
 
 
 def test_a_gqa_sweep_runs_every_backend_that_serves_it():

@@ -66,6 +66,10 @@ BAD_OPTIONS = {
     "corrupt_baseline": (["bench", "--baseline", "corrupt.json"], "not an attnperf bench report"),
     "wrong_layout_baseline": (["bench", "--baseline", "layout.json"], "a benchmark without"),
     "unknown_device": (["bench", "--device", "tpu"], "expected cpu or cuda"),
+    "zero_window": (["bench", "--window", "0"], "--window: expected a whole number >= 1"),
+    "zero_softcap": (["bench", "--softcap", "0"], "--softcap: expected a finite number > 0"),
+    "nan_softcap": (["bench", "--softcap", "nan"], "--softcap: expected a finite number > 0"),
+    "unknown_layout": (["bench", "--block-mask", "diagonal"], "invalid choice: 'diagonal'"),
 }
 
 

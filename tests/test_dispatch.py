@@ -1,5 +1,7 @@
 """What "auto" picks, and how refusals are reported."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -59,8 +61,10 @@ def test_explicit_backend_refusal_lists_its_reasons_and_never_falls_back(fake_re
 
 def test_declared_capabilities_refuse_with_reasons():
     class NoDropout(FakeBackend):
-        capabilities = REFERENCE.capabilities.__class__(
-            **{**REFERENCE.capabilities.__dict__, "dropout": False, "dtypes": (torch.float64,)}
+        capabilities = replace(
+            REFERENCE.capabilities,
+            features=REFERENCE.capabilities.features - {"dropout"},
+            dtypes=(torch.float64,),
         )
 
     from attnperf.inputs import prepare
@@ -77,7 +81,7 @@ def test_auto_on_cpu_picks_an_available_backend_from_the_priority_list():
 
 def test_auto_with_dropout_picks_a_backend_declaring_dropout():
     name = attnperf.choose_backend(*qkv(), dropout_p=0.1)
-    assert dispatch.registry()[name].capabilities.dropout
+    assert "dropout" in dispatch.registry()[name].capabilities.features
 
 
 def test_capability_table_lists_every_backend():
@@ -86,3 +90,19 @@ def test_capability_table_lists_every_backend():
     for row in table:
         assert row["available"] == (row["unavailable_reason"] is None)
         assert {"devices", "dtypes", "features", "max_head_dim"} <= row.keys()
+
+
+@pytest.mark.skipif(
+    dispatch.registry()["numba"].unavailable_reason() is not None, reason="numba not installed"
+)
+@pytest.mark.parametrize(
+    "variant",
+    [{"window": (31, 0)}, {"alibi_slopes": torch.rand(2)}],
+    ids=["window", "alibi"],
+)
+def test_auto_on_cpu_sends_variants_that_sdpa_would_materialise_to_numba(variant):
+    assert attnperf.choose_backend(*qkv(), **variant) == "numba"
+
+
+def test_auto_sends_softcap_past_sdpa_which_refuses_it():
+    assert attnperf.choose_backend(*qkv(), softcap=30.0) != "sdpa"

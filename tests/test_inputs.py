@@ -8,6 +8,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import attnperf
 from attnperf import dispatch
+from attnperf.inputs import prepare
 
 
 def qkv(q_shape=(2, 4, 8, 16), k_shape=None, v_shape=None, dtype=torch.float32):
@@ -99,6 +100,59 @@ BAD_CALLS = {
     "gqa_not_bool": (lambda: call(enable_gqa="yes"), TypeError, "enable_gqa must be a bool"),
     "unknown_backend": (lambda: call(backend="flash9"), ValueError, "known: auto, reference, sdpa"),
     "backend_not_str": (lambda: call(backend=3), TypeError, "backend must be a str"),
+    # The variants' arguments.
+    "window_negative": (lambda: call(window=(-1, 0)), ValueError, "window sides must be >= 0"),
+    "window_not_pair": (lambda: call(window=5), TypeError, r"window must be None or a \(left"),
+    "window_three": (lambda: call(window=(1, 2, 3)), TypeError, "window must be None or a"),
+    "window_float": (lambda: call(window=(1.5, 0)), TypeError, "window sides must be ints"),
+    "window_bool": (lambda: call(window=(True, 0)), TypeError, "window sides must be ints"),
+    "softcap_zero": (lambda: call(softcap=0.0), ValueError, "softcap must be a finite float > 0"),
+    "softcap_negative": (lambda: call(softcap=-2), ValueError, "softcap must be a finite"),
+    "softcap_nan": (lambda: call(softcap=float("nan")), ValueError, "softcap must be a finite"),
+    "softcap_inf": (lambda: call(softcap=float("inf")), ValueError, "softcap must be a finite"),
+    "softcap_str": (lambda: call(softcap="50"), TypeError, "softcap must be a float > 0 or None"),
+    "slopes_wrong_shape": (
+        lambda: call(alibi_slopes=torch.rand(3)), ValueError, r"alibi_slopes must have shape \(Hq"
+    ),
+    "slopes_wrong_batch": (
+        lambda: call(alibi_slopes=torch.rand(3, 4)), ValueError, "alibi_slopes must have shape"
+    ),
+    "slopes_float64": (
+        lambda: call(alibi_slopes=torch.rand(4, dtype=torch.float64)),
+        TypeError, "alibi_slopes must be a float32 tensor, got a torch.float64",
+    ),
+    "slopes_list": (lambda: call(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a"),
+    "slopes_require_grad": (
+        lambda: call(alibi_slopes=torch.rand(4, requires_grad=True)),
+        ValueError, "alibi_slopes must not require grad",
+    ),
+    "slopes_other_device": (
+        lambda: call(alibi_slopes=torch.rand(4, device="meta")), ValueError, "alibi_slopes is on"
+    ),
+    "align_unknown": (lambda: call(align="center"), ValueError, "align must be one of"),
+    "return_lse_not_bool": (lambda: call(return_lse=1), TypeError, "return_lse must be a bool"),
+    "block_mask_not_blockmask": (
+        lambda: call(block_mask=torch.ones(8, 8, dtype=torch.bool)),
+        TypeError, "block_mask must be an attnperf.BlockMask",
+    ),
+    "block_mask_wrong_lengths": (
+        lambda: call(block_mask=attnperf.block_mask(attnperf.layouts.causal(), None, None, 8, 9)),
+        ValueError, r"block_mask is for \(B, H, L, S\) = \(1, 1, 8, 9\)",
+    ),
+    "block_mask_wrong_heads": (
+        lambda: call(block_mask=attnperf.block_mask(attnperf.layouts.causal(), None, 3, 8, 8)),
+        ValueError, "does not fit the call",
+    ),
+    "causal_bias_against_align": (
+        lambda: call((2, 4, 5, 16), (2, 4, 9, 16), attn_mask=causal_upper_left(5, 9),
+                     align="bottom_right"),
+        ValueError, "top_left CausalBias but align='bottom_right'",
+    ),
+    "variants_under_compile": (
+        lambda: torch.compile(lambda q, k, v: attnperf.attention(q, k, v, window=(2, 0)),
+                              backend="eager", fullgraph=True)(*qkv()),
+        Exception, "not traceable by torch.compile yet",
+    ),
 }  # fmt: skip
 
 
@@ -156,6 +210,8 @@ def test_dropout_one_gives_zeros_as_sdpa(backend):
 @pytest.mark.parametrize("bias", [causal_upper_left, causal_lower_right], ids=lambda f: f.__name__)
 def test_torch_causal_bias_objects_mean_what_they_mean_in_sdpa(backend, lengths, bias):
     q, k, v = qkv((2, 4, lengths[0], 16), (2, 4, lengths[1], 16))
+    inputs = prepare(q, k, v, attn_mask=bias(*lengths))
+    assert inputs.attn_mask is None and inputs.is_causal, "served in-kernel, not as a mask"
     out = attnperf.attention(q, k, v, attn_mask=bias(*lengths), backend=backend)
     # SDPA's own reading of them, from the band they stand for (rows that see no key: 0).
     offset = 0 if bias is causal_upper_left else lengths[1] - lengths[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnperf import dispatch
-from attnperf.nn import SelfAttention
+from attnperf.nn import SelfAttention, alibi_slopes
 
 BACKENDS = [
     name
@@ -95,7 +95,7 @@ def test_state_dict_is_the_same_whatever_the_backend():
 
 
 @pytest.mark.parametrize(
-    "backend", [b for b in BACKENDS if dispatch.registry()[b].capabilities.backward]
+    "backend", [b for b in BACKENDS if "backward" in dispatch.registry()[b].capabilities.features]
 )
 def test_the_module_trains(backend):
     torch.manual_seed(0)
@@ -151,3 +151,42 @@ def test_bad_masks_and_inputs_are_refused():
 def test_bad_types_and_backends_are_refused_at_construction(kwargs, error, message):
     with pytest.raises(error, match=message):
         SelfAttention(**kwargs)
+
+
+OPTIONS = {  # option (named as the feature it needs): the module's keywords
+    "window": {"window": (3, 0), "causal": True},
+    "softcap": {"softcap": 2.0},
+    "alibi": {"alibi": True, "causal": True},
+}
+
+
+@pytest.mark.parametrize(
+    "backend, options",
+    [pytest.param(backend, options, id=f"{feature}-{backend}")
+     for feature, options in OPTIONS.items() for backend in BACKENDS
+     if feature in dispatch.registry()[backend].capabilities.features],
+)  # fmt: skip
+def test_variant_options_reach_the_kernels(backend, options):
+    """Each option changes the output (it is not ignored) and every backend that declares
+    it agrees with the textbook attention of that variant (the reference backend's)."""
+    torch.manual_seed(0)
+    module = SelfAttention(32, 4, num_kv_heads=2, backend=backend, **options)
+    plain = SelfAttention(32, 4, num_kv_heads=2, causal=options.get("causal", False))
+    plain.load_state_dict(module.state_dict())  # the options add no parameters
+    x = torch.randn(2, 12, 32) * 4
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, 9:] = True
+    with torch.no_grad():
+        out = module(x, key_padding_mask=padding)
+        module.backend = "reference"
+        torch.testing.assert_close(out, module(x, key_padding_mask=padding), rtol=1e-4,
+                                   atol=1e-5)  # fmt: skip
+        assert not torch.allclose(out, plain(x, key_padding_mask=padding), atol=1e-3)
+
+
+def test_alibi_slopes_are_the_standard_ones():
+    assert alibi_slopes(8) == [2.0**-i for i in range(1, 9)]
+    # 12 heads (BLOOM-style): the 8 of 8 heads, then every other one of 16 heads.
+    assert alibi_slopes(12) == alibi_slopes(8) + [2.0 ** (-0.5 * i) for i in (1, 3, 5, 7)]
+    with pytest.raises(ValueError, match="num_heads must be an int >= 1"):
+        alibi_slopes(0)

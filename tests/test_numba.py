@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cases import CASES, output_and_gradients
+from cases import CASES, VARIANT_CASES, results_and_gradients
 
 import attnperf
 from attnperf import dispatch
@@ -24,35 +24,49 @@ if dispatch.registry()["numba"].unavailable_reason():
 def small_tiles(monkeypatch):
     """8 x 16 tiles: the grid's short calls then span many query and key tiles."""
     monkeypatch.setattr(numba_cpu, "BLOCK_M", 8)
+    monkeypatch.setattr(numba_cpu, "BANDED_BLOCK_M", 8)
     monkeypatch.setattr(numba_cpu, "BLOCK_N", 16)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+@pytest.mark.parametrize("case", CASES + VARIANT_CASES, ids=lambda case: case.id)
 def test_many_tiles_agree_with_float64_reference(case, small_tiles):
-    """Online rescaling across key tiles, diagonal and partial tiles, forward and backward."""
+    """Online rescaling across key tiles, tiles that the band and the block layout cut,
+    skip or leave whole, unaligned band starts: forward, LSE and backward."""
     args = case.build(torch.float32)
-    grad_out = torch.randn(
-        same_precision_reference(**args).shape, generator=torch.Generator().manual_seed(1)
-    )
 
     def numba(**call):
         return attnperf.attention(**call, backend="numba")
 
-    actual_out, actual = output_and_gradients(numba, args, grad_out)
-    exact_out, exact = output_and_gradients(float64_reference, args, grad_out, torch.float64)
-    baseline_out, baseline = output_and_gradients(same_precision_reference, args, grad_out)
-    assert_agrees(actual_out, exact_out, baseline_out, what="output")
+    def wide(**call):
+        call = {k: v.double() if torch.is_tensor(v) and v.is_floating_point()
+                and k != "alibi_slopes" else v for k, v in call.items()}  # fmt: skip
+        return float64_reference(**call)
+
+    *actual_results, actual = results_and_gradients(numba, args)
+    *exact_results, exact = results_and_gradients(wide, args)
+    *baseline_results, baseline = results_and_gradients(same_precision_reference, args)
+    for what, a, e, b in zip(("output", "lse"), actual_results, exact_results,
+                             baseline_results, strict=True):  # fmt: skip
+        if b is not None:
+            assert_agrees(a, e, b, what=what)
     for name in actual:
         assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fused_and_two_pass_backward_agree(causal, small_tiles):
+@pytest.mark.parametrize("call", ["full", "causal", "variants"])
+def test_fused_and_two_pass_backward_agree(call, small_tiles):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 300, 32, generator=gen)
     k, v = (torch.randn(2, 2, 280, 32, generator=gen) for _ in range(2))
-    mask = None if causal else torch.randn(300, 280, generator=gen).requires_grad_()
-    inputs = prepare(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    mask = None if call != "full" else torch.randn(300, 280, generator=gen).requires_grad_()
+    variants = {}
+    if call == "variants":
+        layout = attnperf.block_mask(lambda b, h, i, j: (i // 40 + j // 24) % 3 != 1, None, 4,
+                                     300, 280, block_size=(16, 32))  # fmt: skip
+        variants = {"window": (50, 7), "align": "bottom_right", "softcap": 3.0,
+                    "alibi_slopes": torch.rand(4, generator=gen), "block_mask": layout}  # fmt: skip
+    inputs = prepare(q, k, v, attn_mask=mask, is_causal=call == "causal", enable_gqa=True,
+                     **variants)  # fmt: skip
     out, lse = numba_cpu.numba_attention_forward(inputs)
     grad_out = torch.randn(out.shape, generator=gen)
     fused = numba_cpu.numba_attention_backward(inputs, out, lse, grad_out, fused=True)

@@ -1,0 +1,76 @@
+"""merge_attention: attention over disjoint key sets, merged by their LSEs, is attention
+over their union, forward and gradients, with -inf parts."""
+
+import pytest
+import torch
+
+import attnperf
+from attnperf import dispatch
+
+LSE_BACKENDS = [
+    b.name
+    for b in dispatch.registry().values()
+    if "lse" in b.capabilities.features and b.unavailable_reason() is None
+]
+
+
+@pytest.mark.parametrize("backend", LSE_BACKENDS)
+@pytest.mark.parametrize("split", [(41,), (10, 31), (5, 16, 20)], ids=["whole", "two", "three"])
+def test_chunks_merged_equal_attention_over_all_keys(backend, split):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 23, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(2, 2, 41, 16, generator=gen, dtype=torch.float64).requires_grad_()
+            for _ in range(2))  # fmt: skip
+    mask = torch.rand(23, 41, generator=gen) > 0.3
+    mask[3] = False  # a row that sees no key in any chunk: out 0, lse -inf
+    mask[5, :10] = False  # a row that sees none of the first chunk: that part's lse is -inf
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    q_, k_, v_ = (t.to(dtype) for t in (q, k, v))
+
+    def run(keys, values, m):
+        return attnperf.attention(q_, keys, values, attn_mask=m, enable_gqa=True,
+                                  backend=backend, return_lse=True)  # fmt: skip
+
+    parts, start = [], 0
+    for size in split:
+        cut = slice(start, start + size)
+        parts.append(run(k_[:, :, cut], v_[:, :, cut], mask[:, cut]))
+        start += size
+    out, lse = attnperf.merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    whole_out, whole_lse = run(k_, v_, mask)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, whole_out, **tolerance)
+    torch.testing.assert_close(lse, whole_lse.to(lse.dtype), **tolerance)
+    assert lse[:, :, 3].eq(float("-inf")).all() and out[:, :, 3].eq(0).all()
+
+    weights = torch.randn(out.shape, generator=gen, dtype=dtype)
+    merged = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    whole = torch.autograd.grad((whole_out * weights).sum(), (q, k, v))
+    for name, a, b in zip("qkv", merged, whole, strict=True):
+        assert a.isfinite().all(), name
+        torch.testing.assert_close(a, b, **tolerance, msg=name)
+
+
+def test_merge_of_only_empty_parts_is_zero_with_finite_gradients():
+    outs = [torch.randn(3, 5, requires_grad=True) for _ in range(2)]
+    lses = [torch.full((3,), float("-inf"), requires_grad=True) for _ in range(2)]
+    out, lse = attnperf.merge_attention(outs, lses)
+    assert out.eq(0).all() and lse.eq(float("-inf")).all()
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.isfinite().all() for t in outs + lses)
+
+
+@pytest.mark.parametrize(
+    "outs, lses, message",
+    [
+        ([], [], "non-empty"),
+        ([torch.zeros(3, 4)], [torch.zeros(3), torch.zeros(3)], "of one length"),
+        ([torch.zeros(3, 4)], [torch.zeros(4)], r"lses\[0\] must have shape \(3,\)"),
+        ([torch.zeros(3, 4), torch.zeros(3, 5)], [torch.zeros(3)] * 2, r"outs\[1\] has shape"),
+        (torch.zeros(3, 4), [torch.zeros(3)], "must be lists of tensors"),
+    ],
+    ids=["empty", "lengths", "lse_shape", "out_shapes", "not_lists"],
+)
+def test_merge_refuses_bad_input(outs, lses, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        attnperf.merge_attention(outs, lses)
