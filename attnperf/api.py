@@ -53,25 +53,18 @@ def attention(
       log-sum-exp of each row's final scores, -inf for a row that sees no key;
       differentiable.
     Rows that see no key give zeros. `backend` is "auto" or a name from `backends()`.
-    Under torch.compile a call without variants is one custom op
-    (`torch.ops.attnperf.attention`), traced without graph breaks.
+    Under torch.compile it is one custom op (`torch.ops.attnperf.attention`), traced
+    without graph breaks.
     """
     variants = {
         "window": window, "softcap": softcap, "alibi_slopes": alibi_slopes,
         "block_mask": block_mask, "align": align, "return_lse": return_lse,
     }  # fmt: skip
     if torch.compiler.is_compiling():
-        defaults = {"align": "top_left", "return_lse": False}
-        asked = [name for name, value in variants.items() if value is not defaults.get(name)]
-        if asked:
-            raise NotImplementedError(
-                f"attnperf.attention's variants ({', '.join(asked)}) are not traceable by "
-                "torch.compile yet; call it outside the compiled region "
-                "(torch.compiler.disable)"
-            )
         return ops.attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend
-        )
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
+            variants,
+        )  # fmt: skip
     autocast = _autocast_dtype(query)
     outside_autocast = contextlib.nullcontext()
     if autocast is not None:

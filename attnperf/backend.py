@@ -110,6 +110,15 @@ class Backend:
         }
 
 
+def lse_from_stats(stats: Tensor) -> Tensor:
+    """Natural-log LSEs (B, Hq, L) float32 from a fused kernel's statistics (B, Hq, L, 2),
+    each row's max in base 2 and its sum of 2 ** (score - max); -inf for a row that sees no
+    key (sum 0)."""
+    row_max, row_sum = stats.unbind(-1)
+    lse = (row_max + torch.log2(row_sum)) * math.log(2)
+    return torch.where(row_sum > 0, lse, float("-inf"))
+
+
 def stats_from_lse(lse: Tensor) -> Tensor:
     """A fused kernel's (max, sum) statistics (B, Hq, L, 2) standing for given natural-log
     LSEs: (lse * log2(e), 1), or (0, 0) for -inf. The backward launchers take them, so a
@@ -127,7 +136,7 @@ class FusedBackend(Backend):
     forward(inputs) -> (out (B, Hq, L, Ev), stats (B, Hq, L, 2) float32: each row's max in
     base 2 and its sum of 2 ** (score - max); (0, 0) for a row that sees no key);
     backward(inputs, out, stats, grad_out, grad_lse or None) -> (dq, dk, dv, dmask or None).
-    `inputs.lse_from_stats` and `stats_from_lse` convert between stats and natural-log LSEs.
+    `lse_from_stats` and `stats_from_lse` convert between stats and natural-log LSEs.
     """
 
     forward: Callable[[AttentionInputs], tuple[Tensor, Tensor]]
@@ -156,7 +165,7 @@ class FusedAttention(torch.autograd.Function):
         out, stats = launchers[0](inputs)
         # Only when asked: a torch op between two numba kernels costs the second one (see
         # numba_cpu._float32_array).
-        lse = inputs.lse_from_stats(stats) if inputs.variant.return_lse else stats.new_empty(0)
+        lse = lse_from_stats(stats) if inputs.variant.return_lse else stats.new_empty(0)
         return out, lse, stats
 
     @staticmethod

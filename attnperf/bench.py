@@ -255,7 +255,13 @@ def measure_point(
         return out
 
     timer = _timer(config.device)
-    point.first_call_s = timer(call)
+    try:
+        point.first_call_s = timer(call)
+    except Exception as error:  # a peer's failure is reported; a backend's is a bug: raised
+        if backend not in PEERS:
+            raise
+        point.status = f"failed: {backend}: {type(error).__name__}: {str(error)[:200]}"
+        return point
     timer(call)  # warm caches and pools
     if memory:
         peak = cuda_peak_extra_bytes if config.device.startswith("cuda") else cpu_peak_extra_bytes
@@ -298,6 +304,14 @@ def backend_call(backend: str, q, k, v, causal: bool, gqa: bool, variant: dict):
     ), None  # fmt: skip
 
 
+def documents_by_arithmetic(b, h, q_idx, kv_idx):
+    """The sweep's causal documents of DOCUMENT_LENGTH tokens for FlexAttention: inductor's
+    CPU code for flex failed to compile (torch 2.13) with attnperf.layouts.document's id
+    lookup."""
+    same = q_idx // DOCUMENT_LENGTH == kv_idx // DOCUMENT_LENGTH
+    return same & (kv_idx <= q_idx)
+
+
 def flex_peer(config: BenchConfig, length: int, causal: bool, backward: bool, variant: dict,
               gqa: bool):  # fmt: skip
     """(attend(q, k, v), None) with torch's FlexAttention compiled, the call's variant as its
@@ -310,6 +324,8 @@ def flex_peer(config: BenchConfig, length: int, causal: bool, backward: bool, va
         return None, f"flex: torch has no FlexAttention ({error})"
     window = config.window
     layout_fn = mask_fn(config, length) if config.block_mask else None
+    if config.block_mask == "document":
+        layout_fn = documents_by_arithmetic
 
     def mask_mod(b, h, q_idx, kv_idx):
         allowed = q_idx >= 0  # all True, as a tensor

@@ -133,13 +133,6 @@ class AttentionInputs:
         }  # fmt: skip
         return {name for name, needed in wanted.items() if needed}
 
-    def lse_from_stats(self, stats: Tensor) -> Tensor:
-        """Natural-log LSE (B, Hq, L) float32 from a fused kernel's (max, sum) in base 2;
-        -inf for a row that sees no key."""
-        row_max, row_sum = stats.unbind(-1)
-        lse = (row_max + torch.log2(row_sum)) * math.log(2)
-        return torch.where(row_sum > 0, lse, float("-inf"))
-
     @property
     def has_pairs(self) -> bool:
         """Whether any (query, key) pair exists: zero-size batch, heads or lengths have none

@@ -189,22 +189,24 @@ def sliding_window(window: int, align_offset: int = 0) -> MaskFn:
 
 def document(offsets: Tensor, is_causal: bool = False) -> MaskFn:
     """mask_fn of packed sequences: `offsets` (D + 1,) are cu_seqlens (0, ..., total); a
-    token attends only within its own document (causally with `is_causal`)."""
+    token attends only within its own document (causally with `is_causal`); tokens past
+    `total` belong to no document and attend nothing. Pure tensor ops, so FlexAttention's
+    vmap can trace it too."""
     offsets = torch.as_tensor(offsets)
     if offsets.dim() != 1 or offsets.numel() < 2 or int(offsets[0]) != 0:
         raise ValueError("offsets must be 1-D cumulative lengths starting at 0")
     if bool((offsets[1:] < offsets[:-1]).any()):
         raise ValueError("offsets must be non-decreasing")
+    lengths = (offsets[1:] - offsets[:-1]).long()
+    # One id per token, and -1 for "no document" past the end (at index total).
+    doc = torch.cat([torch.repeat_interleave(torch.arange(len(lengths)), lengths),
+                     torch.tensor([-1])])  # fmt: skip
     total = int(offsets[-1])
-    doc = torch.repeat_interleave(
-        torch.arange(offsets.numel() - 1), (offsets[1:] - offsets[:-1]).long()
-    )
 
     def mask_fn(b, h, q_idx, kv_idx):
-        if any(index.numel() and int(index.max()) >= total for index in (q_idx, kv_idx)):
-            raise ValueError(f"document offsets cover {total} tokens, fewer than the call's")
         ids = doc.to(q_idx.device)
-        same = ids[q_idx] == ids[kv_idx]
+        q_doc, kv_doc = ids[q_idx.clamp(max=total)], ids[kv_idx.clamp(max=total)]
+        same = (q_doc == kv_doc) & (q_doc >= 0)
         return same & (kv_idx <= q_idx) if is_causal else same
 
     return mask_fn

@@ -292,21 +292,6 @@ def query_range(variant, j0, cols, q_len):
 
 
 @_njit()
-def key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-    """The key tiles that query rows i0 .. i0 + rows - 1 must visit, as (j0, cols,
-    structure) with structure MASKED or UNMASKED: the tile range of the band, without the
-    tiles that the block layout leaves empty."""
-    tiles = []
-    first, end = key_range(variant, i0, rows, kv_len)
-    for j0 in range(first, end, block_n):
-        cols = min(block_n, end - j0)
-        structure = tile_structure(variant, b, h, i0, rows, j0, cols)
-        if structure != SKIP:
-            tiles.append((j0, cols, structure))
-    return tiles
-
-
-@_njit()
 def tile_structure(variant, b, h, i0, rows, j0, cols):
     """SKIP, MASKED or UNMASKED: what the band and the block layout leave of one tile."""
     left, right, offset = variant[2], variant[3], variant[4]
@@ -325,6 +310,21 @@ def tile_structure(variant, b, h, i0, rows, j0, cols):
             if kind != LAYOUT_FULL:
                 result = MASKED
     return result if seen else SKIP
+
+
+@_njit()
+def key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+    """The key tiles that query rows i0 .. i0 + rows - 1 must visit, as (j0, cols,
+    structure) with structure MASKED or UNMASKED: the tile range of the band, without the
+    tiles that the block layout leaves empty."""
+    tiles = []
+    first, end = key_range(variant, i0, rows, kv_len)
+    for j0 in range(first, end, block_n):
+        cols = min(block_n, end - j0)
+        structure = tile_structure(variant, b, h, i0, rows, j0, cols)
+        if structure != SKIP:
+            tiles.append((j0, cols, structure))
+    return tiles
 
 
 @_njit(fastmath=FASTMATH)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import attnperf
+import attnperf.inputs
 from attnperf import dispatch
 
 BACKENDS = [
@@ -50,10 +51,18 @@ def test_the_custom_op_has_a_fake_implementation():
     k = torch.empty(2, 3, 7, 8, device="meta")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from attnperf.ops import flatten_variant
+
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        out, _ = torch.ops.attnperf.attention(fq, fk, fv, None, 0.0, False, None, False, "auto")
-    assert out.shape == (2, 3, 5, 6)
+        plain = flatten_variant({})
+        out, lse, _ = torch.ops.attnperf.attention(fq, fk, fv, None, 0.0, False, None, False,
+                                                   "auto", *plain)  # fmt: skip
+        assert out.shape == (2, 3, 5, 6) and lse.numel() == 0
+        with_lse = flatten_variant({"return_lse": True, "window": (2, None)})
+        out, lse, _ = torch.ops.attnperf.attention(fq, fk, fv, None, 0.0, False, None, False,
+                                                   "auto", *with_lse)  # fmt: skip
+    assert out.shape == (2, 3, 5, 6) and lse.shape == (2, 3, 5) and lse.dtype == torch.float32
 
 
 @pytest.mark.parametrize(
@@ -79,3 +88,51 @@ def test_compiled_dropout_gradients_match_eager_under_the_same_seed(backend):
     expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, expected_grad)
+
+
+COMPILED_VARIANTS = {
+    "window_bottom_right": {"window": (3, None), "align": "bottom_right", "is_causal": True},
+    "softcap_alibi_lse": {"softcap": 2.0, "alibi_slopes": torch.rand(4), "return_lse": True},
+    "block_mask": {
+        "block_mask": attnperf.block_mask(
+            attnperf.layouts.sliding_window(5), None, None, 16, 20, block_size=16
+        ),
+        "window": (None, 2),
+    },
+}
+
+
+def declared(backend: str, variant: dict) -> bool:
+    shapes = ((2, 4, 16, 8), (2, 4, 20, 8), (2, 4, 20, 8))
+    features = attnperf.inputs.prepare(*map(torch.zeros, shapes), **variant).features()
+    return features <= dispatch.registry()[backend].capabilities.features
+
+
+@pytest.mark.parametrize(
+    "backend, name",
+    [pytest.param(backend, name, id=f"{backend}-{name}") for backend in BACKENDS
+     for name, variant in COMPILED_VARIANTS.items() if declared(backend, variant)],
+)  # fmt: skip
+def test_compiled_variants_match_eager(backend, name):
+    """The variants pass through the custom op: forward, LSE and gradients (through the LSE
+    too) as in eager mode, without graph breaks."""
+    variant = COMPILED_VARIANTS[name]
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, generator=gen).requires_grad_()
+    k, v = (torch.randn(2, 4, 20, 8, generator=gen).requires_grad_() for _ in range(2))
+
+    def call(q, k, v):
+        result = attnperf.attention(q, k, v, backend=backend, **variant)
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        return out.sum() + (0 if lse is None else lse.sin().sum()), out
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    (loss, out), (expected_loss, expected) = compiled(q, k, v), call(q, k, v)
+    torch.testing.assert_close(out, expected)
+    for grad, expected_grad in zip(
+        torch.autograd.grad(loss, (q, k, v)),
+        torch.autograd.grad(expected_loss, (q, k, v)),
+        strict=True,
+    ):
+        torch.testing.assert_close(grad, expected_grad)  # fmt: skip

@@ -148,11 +148,6 @@ BAD_CALLS = {
                      align="bottom_right"),
         ValueError, "top_left CausalBias but align='bottom_right'",
     ),
-    "variants_under_compile": (
-        lambda: torch.compile(lambda q, k, v: attnperf.attention(q, k, v, window=(2, 0)),
-                              backend="eager", fullgraph=True)(*qkv()),
-        Exception, "not traceable by torch.compile yet",
-    ),
 }  # fmt: skip
 
 

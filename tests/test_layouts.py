@@ -98,9 +98,6 @@ BAD = {
                          "starting at 0"),
     "document_decreasing": (lambda: layouts.document(torch.tensor([0, 4, 2])), ValueError,
                             "non-decreasing"),
-    "document_too_short": (lambda: attnperf.block_mask(layouts.document(torch.tensor([0, 4])),
-                                                       1, 1, 8, 8),
-                           ValueError, "cover 4 tokens"),
 }  # fmt: skip
 
 
@@ -108,6 +105,13 @@ BAD = {
 def test_bad_layouts_are_refused_clearly(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+def test_tokens_past_the_documents_attend_nothing():
+    fn = layouts.document(torch.tensor([0, 3, 5]))
+    dense = attnperf.block_mask(fn, None, None, 7, 7, block_size=16).to_dense()[0, 0]
+    assert dense[:3, :3].all() and dense[3:5, 3:5].all()
+    assert dense.sum() == 3 * 3 + 2 * 2  # nothing else, past the documents neither
 
 
 def test_allowed_pairs_counts_the_dense_mask():
