@@ -159,6 +159,13 @@ def _layout(mask_fn, block_size=16):
     return make
 
 
+def _per_batch_and_head(case, gen):
+    """A layout that differs per batch and per head (B and H given, not None)."""
+    fn = lambda b, h, q, k: ((k + 7 * b + 3 * h) % 11) < (5 + b)  # noqa: E731
+    return attnperf.block_mask(fn, case.batch[0], case.q_heads, case.q_len, case.kv_len,
+                               block_size=16)  # fmt: skip
+
+
 def _random_tiles(case, gen):
     # Whole tiles on and off (and some partial ones): every layout kind in one call.
     tiles = torch.rand(-(-case.q_len // 16), -(-case.kv_len // 16), generator=gen) > 0.5
@@ -201,6 +208,8 @@ VARIANT_CASES = [
          variant={"block_mask": _layout(layouts.prefix_lm(10), (32, 16))}),
     Case("block_random_with_window", q_len=50, kv_len=70, variant={
         "block_mask": _layout(_random_tiles), "window": (20, 5), "return_lse": True}),
+    Case("block_per_batch_and_head_gqa", q_heads=4, kv_heads=2, q_len=40, kv_len=50,
+         variant={"block_mask": _per_batch_and_head, "return_lse": True}),
     Case("lse_bool_mask_empty_rows", mask="bool", variant={"return_lse": True}),
     Case("everything_gqa", q_heads=4, kv_heads=2, is_causal=True, q_len=30, kv_len=60,
          logit_gain=4.0, variant={

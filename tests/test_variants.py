@@ -56,7 +56,7 @@ FEATURE_CALLS = {
     "bottom_right": Case("f", is_causal=True, q_len=9, variant={"align": "bottom_right"}),
     "softcap": Case("f", logit_gain=5.0, variant={"softcap": 1.0}),
     "alibi": Case("f", variant={"alibi_slopes": lambda case, gen: torch.rand(case.q_heads)}),
-    "block_mask": VARIANT_CASES[13],
+    "block_mask": next(case for case in VARIANT_CASES if case.id == "block_causal"),
     "lse": Case("f", variant={"return_lse": True}),
     "gqa": Case("f", q_heads=4, kv_heads=2),
     "dropout": Case("f", kwargs={"dropout_p": 0.5}),
