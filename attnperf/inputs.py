@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnperf.layouts import BlockMask
+from attnperf.layouts import BlockMask, describe_type
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -310,7 +310,7 @@ def _alibi_slopes(
     if slopes is None:
         return None
     if not isinstance(slopes, Tensor) or slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes must be a float32 tensor, got {_describe(slopes)}")
+        raise TypeError(f"alibi_slopes must be a float32 tensor, got {describe_type(slopes)}")
     if slopes.device != query.device:
         raise ValueError(f"alibi_slopes is on {slopes.device} but query is on {query.device}")
     if tuple(slopes.shape) not in ((q_heads,), (*batch_shape, q_heads)):
@@ -339,10 +339,6 @@ def _block_mask(
     if mask.kinds.device != query.device:
         raise ValueError(f"block_mask is on {mask.kinds.device} but query is on {query.device}")
     return mask
-
-
-def _describe(value: object) -> str:
-    return f"a {value.dtype} tensor" if isinstance(value, Tensor) else type(value).__name__
 
 
 def _flag(name: str, value: object) -> bool:

@@ -138,7 +138,7 @@ def block_mask(
         q_idx = torch.arange(qb * block_q, min((qb + 1) * block_q, L), device=device)
         rows = mask_fn(b, h, q_idx.view(1, 1, -1, 1), kv_idx)
         if not isinstance(rows, Tensor) or rows.dtype != torch.bool:
-            raise TypeError(f"mask_fn must return a bool tensor, got {_describe(rows)}")
+            raise TypeError(f"mask_fn must return a bool tensor, got {describe_type(rows)}")
         rows = rows.expand(batch, heads, q_idx.numel(), S).cpu()
         padded = torch.zeros((batch, heads, block_q, padded_s), dtype=torch.bool)
         padded[:, :, : q_idx.numel(), :S] = rows
@@ -165,7 +165,8 @@ def block_mask(
     )
 
 
-def _describe(value: object) -> str:
+def describe_type(value: object) -> str:
+    """What an argument is, for error messages: "a torch.float32 tensor", "list", ..."""
     return f"a {value.dtype} tensor" if isinstance(value, Tensor) else type(value).__name__
 
 

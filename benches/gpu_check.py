@@ -156,8 +156,7 @@ def variant_contenders(q, window: int, softcap: float | None, flex) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask
 
     from attnperf.inputs import prepare
-    from attnperf.kernels.reference import variant_masks
-    from attnperf.kernels.sdpa import materialised_mask
+    from attnperf.kernels.sdpa import sdpa_mask
 
     variant = {"window": (window - 1, 0), "softcap": softcap}
     length = q.shape[-2]
@@ -177,7 +176,7 @@ def variant_contenders(q, window: int, softcap: float | None, flex) -> dict:
     }  # fmt: skip
     if softcap is None:
         inputs = prepare(q, q, q, is_causal=True, **variant)
-        mask = materialised_mask(inputs, *variant_masks(inputs, q.dtype))
+        mask, _ = sdpa_mask(inputs)
         contenders["sdpa_mask"] = lambda q, k, v, _: F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask
         )

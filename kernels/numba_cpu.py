@@ -26,6 +26,8 @@ from torch import Tensor
 
 from attnperf.backend import FEATURES, Capabilities, FusedBackend
 from attnperf.inputs import AttentionInputs
+from attnperf.layouts import EMPTY as LAYOUT_EMPTY
+from attnperf.layouts import FULL as LAYOUT_FULL
 
 try:
     import numba
@@ -269,7 +271,6 @@ def base2_bias(value):
 # without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without.
 UNBOUNDED = 1 << 40
 SKIP, MASKED, UNMASKED = 0, 1, 2  # what a (query tile, key tile) needs from the structure
-LAYOUT_EMPTY, LAYOUT_PARTIAL, LAYOUT_FULL = 0, 1, 2  # attnperf.layouts' kinds
 
 
 @_njit()

@@ -26,15 +26,7 @@ class SdpaBackend(Backend):
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, None]:
         # Inputs are already 4-D: torch's CPU flash kernel serves only 4-D calls,
         # 3-D and 5-D ones would silently take its slow math path.
-        mask, is_causal = inputs.attn_mask, False
-        allowed, alibi = variant_masks(inputs, inputs.dtype)
-        # A top-left causal band alone (is_causal, or window (None, 0)) is SDPA's is_causal,
-        # in its kernel; anything more is materialised.
-        only_causal = inputs.band == (None, 0) and inputs.offset == 0
-        if only_causal and mask is None and alibi is None and inputs.variant.block_mask is None:
-            allowed, is_causal = None, True
-        if allowed is not None or alibi is not None:
-            mask = materialised_mask(inputs, allowed, alibi)
+        mask, is_causal = sdpa_mask(inputs)
         out = F.scaled_dot_product_attention(
             inputs.query,
             inputs.key,
@@ -46,6 +38,20 @@ class SdpaBackend(Backend):
             enable_gqa=inputs.enable_gqa,
         )
         return out, None
+
+
+def sdpa_mask(inputs: AttentionInputs) -> tuple[Tensor | None, bool]:
+    """(attn_mask, is_causal) that give SDPA this call: the call's own where it has no
+    variant; a top-left causal band alone (is_causal, or window (None, 0)) as SDPA's
+    is_causal, in its kernel; anything more materialised into one L x S mask, as a user of
+    SDPA would build it."""
+    variant = inputs.variant
+    if variant.alibi_slopes is None and variant.block_mask is None:
+        if inputs.band is None:
+            return inputs.attn_mask, False
+        if inputs.band == (None, 0) and inputs.offset == 0 and inputs.attn_mask is None:
+            return None, True
+    return materialised_mask(inputs, *variant_masks(inputs, inputs.dtype)), False
 
 
 def materialised_mask(

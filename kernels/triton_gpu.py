@@ -138,7 +138,6 @@ def _autotune(**kwargs):
 # softcap2 = softcap * log2(e), the ALiBi slopes * log2(e) and the block layout (kinds,
 # partial_index, partial with their strides), and constexprs saying which are present.
 UNBOUNDED = 1 << 30
-LAYOUT_EMPTY, LAYOUT_PARTIAL, LAYOUT_FULL = 0, 1, 2  # attnperf.layouts' kinds
 
 
 @_jit
@@ -250,7 +249,7 @@ def modify_scores(
         kinds = layout_kinds(Kinds, b, h, offs_m, offs_n, q_len, kv_len, lkb, lkh, lkq,
                              LAYOUT_Q, LAYOUT_K)  # fmt: skip
         blocks = (offs_m // LAYOUT_Q)[:, None] * lkq + (offs_n // LAYOUT_K)[None, :]
-        partial = kinds == 1  # LAYOUT_PARTIAL (kernels see literals, not globals)
+        partial = kinds == 1  # attnperf.layouts.PARTIAL (kernels see literals, not globals)
         index = tl.load(PartialIndex + b * lkb + h * lkh + blocks, mask=partial, other=0)
         inside = (offs_m % LAYOUT_Q)[:, None] * LAYOUT_K + (offs_n % LAYOUT_K)[None, :]
         bits = tl.load(Partial + index.to(tl.int64) * (LAYOUT_Q * LAYOUT_K) + inside,

@@ -149,11 +149,10 @@ def _slopes(per_batch: bool):
 
 
 def _layout(mask_fn, block_size=16):
-    """A BlockMask of `mask_fn` (or of what `mask_fn(case, gen)` makes) for the case."""
+    """A maker of the BlockMask of `mask_fn` for the case (the same for every batch)."""
 
     def make(case, gen):
-        fn = mask_fn(case, gen) if mask_fn is _random_tiles else mask_fn
-        return attnperf.block_mask(fn, None, case.q_heads, case.q_len, case.kv_len,
+        return attnperf.block_mask(mask_fn, None, case.q_heads, case.q_len, case.kv_len,
                                    block_size=block_size)  # fmt: skip
 
     return make
@@ -167,10 +166,11 @@ def _per_batch_and_head(case, gen):
 
 
 def _random_tiles(case, gen):
-    # Whole tiles on and off (and some partial ones): every layout kind in one call.
+    """Whole tiles on and off (and some partial ones): every layout kind in one call."""
     tiles = torch.rand(-(-case.q_len // 16), -(-case.kv_len // 16), generator=gen) > 0.5
     fine = torch.rand(case.q_len, case.kv_len, generator=gen) > 0.3
-    return lambda b, h, q, k: tiles[q // 16, k // 16] & (fine[q, k] | (q % 3 != 0))
+    fn = lambda b, h, q, k: tiles[q // 16, k // 16] & (fine[q, k] | (q % 3 != 0))  # noqa: E731
+    return _layout(fn)(case, gen)
 
 
 _DOCUMENTS = torch.tensor([0, 11, 12, 30, 50])  # a one-token document among them
@@ -179,7 +179,7 @@ _DOCUMENTS = torch.tensor([0, 11, 12, 30, 50])  # a one-token document among the
 # inside and outside tiles, empty rows, both alignments, the softcap's saturation, ALiBi's
 # two slope shapes, every kind of block). At these lengths the kernels' tiles (numba 128 x
 # 512, triton 32 x 32 under the interpreter) are cut by the band and the layout;
-# tests/test_numba.py runs them again on 16 x 32 tiles to cross numba's tile boundaries.
+# tests/test_numba.py runs them again on 8 x 16 tiles to cross numba's tile boundaries.
 VARIANT_CASES = [
     Case("window_small", variant={"window": (5, 3)}),
     Case("window_left_only", variant={"window": (7, None)}),
@@ -207,7 +207,7 @@ VARIANT_CASES = [
     Case("block_prefix_lm", q_len=40, kv_len=40,
          variant={"block_mask": _layout(layouts.prefix_lm(10), (32, 16))}),
     Case("block_random_with_window", q_len=50, kv_len=70, variant={
-        "block_mask": _layout(_random_tiles), "window": (20, 5), "return_lse": True}),
+        "block_mask": _random_tiles, "window": (20, 5), "return_lse": True}),
     Case("block_per_batch_and_head_gqa", q_heads=4, kv_heads=2, q_len=40, kv_len=50,
          variant={"block_mask": _per_batch_and_head, "return_lse": True}),
     Case("lse_bool_mask_empty_rows", mask="bool", variant={"return_lse": True}),
@@ -215,7 +215,7 @@ VARIANT_CASES = [
          logit_gain=4.0, variant={
              "window": (12, None), "align": "bottom_right", "softcap": 3.0,
              "alibi_slopes": _slopes(True), "return_lse": True,
-             "block_mask": _layout(_random_tiles)}),
+             "block_mask": _random_tiles}),
 ]  # fmt: skip
 
 # Where torch's own CPU kernels (the sdpa backend) were seen to miss the rule (on AVX-512,
@@ -233,9 +233,9 @@ PEER_DEVIATIONS = {
 DIFFERENTIABLE = ("query", "key", "value", "attn_mask")
 
 
-def output_and_gradients(fn, args, grad_out, cast=None):
-    """fn's output and d(sum(out * grad_out))/d(each differentiable input), optionally cast
-    first."""
+def _leaves(args, cast):
+    """(the call's arguments, its differentiable inputs by name) with those inputs made
+    leaves that require grad, cast to `cast` first when given."""
     leaves = {}
     call = dict(args)
     for name in DIFFERENTIABLE:
@@ -244,19 +244,22 @@ def output_and_gradients(fn, args, grad_out, cast=None):
             continue
         leaf = (tensor if cast is None else tensor.to(cast)).detach().requires_grad_()
         leaves[name] = call[name] = leaf
+    return call, leaves
+
+
+def output_and_gradients(fn, args, grad_out, cast=None):
+    """fn's output and d(sum(out * grad_out))/d(each differentiable input), optionally cast
+    first."""
+    call, leaves = _leaves(args, cast)
     out = fn(**call)
     out.backward(grad_out.to(out.dtype))
     return out, {name: leaf.grad for name, leaf in leaves.items()}
 
 
-def results_and_gradients(fn, args, seed=1):
-    """(out, lse or None, gradients of sum(out * g) + sum(finite lse * g') by name)."""
-    leaves = {}
-    call = dict(args)
-    for name in ("query", "key", "value", "attn_mask"):
-        tensor = args.get(name)
-        if tensor is not None and tensor.is_floating_point():
-            leaves[name] = call[name] = tensor.detach().requires_grad_()
+def results_and_gradients(fn, args, cast=None, seed=1):
+    """(out, lse or None, gradients of sum(out * g) + sum(finite lse * g') by name), the
+    differentiable inputs optionally cast first."""
+    call, leaves = _leaves(args, cast)
     result = fn(**call)
     out, lse = result if isinstance(result, tuple) else (result, None)
     gen = torch.Generator().manual_seed(seed)

@@ -37,13 +37,8 @@ def test_many_tiles_agree_with_float64_reference(case, small_tiles):
     def numba(**call):
         return attnperf.attention(**call, backend="numba")
 
-    def wide(**call):
-        call = {k: v.double() if torch.is_tensor(v) and v.is_floating_point()
-                and k != "alibi_slopes" else v for k, v in call.items()}  # fmt: skip
-        return float64_reference(**call)
-
     *actual_results, actual = results_and_gradients(numba, args)
-    *exact_results, exact = results_and_gradients(wide, args)
+    *exact_results, exact = results_and_gradients(float64_reference, args, cast=torch.float64)
     *baseline_results, baseline = results_and_gradients(same_precision_reference, args)
     for what, a, e, b in zip(("output", "lse"), actual_results, exact_results,
                              baseline_results, strict=True):  # fmt: skip

@@ -37,9 +37,7 @@ def test_variant_gradients_agree_with_float64_reference(backend, case, dtype):
         args["attn_mask"] = args["attn_mask"].float()  # its gradient goes through the softcap
     run = lambda **call: attnperf.attention(**call, backend=backend.name)  # noqa: E731
     *_, actual = results_and_gradients(run, args)
-    wide = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() and k != "alibi_slopes"
-            else v for k, v in args.items()}  # fmt: skip
-    *_, exact = results_and_gradients(float64_reference, wide)
+    *_, exact = results_and_gradients(float64_reference, args, cast=torch.float64)
     *_, baseline = results_and_gradients(same_precision_reference, args)
     assert actual.keys() == baseline.keys()
     for name in actual:
