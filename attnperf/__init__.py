@@ -1,7 +1,14 @@
 """attnperf: exact, fast attention kernels behind one SDPA-compatible call."""
 
 from attnperf import layouts, nn
-from attnperf.api import attention, backends, choose_backend, merge_attention
+from attnperf.api import (
+    attention,
+    attention_varlen,
+    attention_with_kvcache,
+    backends,
+    choose_backend,
+    merge_attention,
+)
 from attnperf.dispatch import BackendNotSupportedError
 from attnperf.layouts import BlockMask, block_mask
 
@@ -9,6 +16,8 @@ __all__ = [
     "BackendNotSupportedError",
     "BlockMask",
     "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
     "backends",
     "block_mask",
     "choose_backend",

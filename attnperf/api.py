@@ -10,6 +10,7 @@ from torch import Tensor
 from attnperf import dispatch, ops
 from attnperf.inputs import prepare
 from attnperf.layouts import BlockMask
+from attnperf.serving import append_to_cache, prepare_kvcache, prepare_varlen
 
 
 def attention(
@@ -77,6 +78,85 @@ def attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **variants
         )
         return dispatch.attend(inputs, backend)
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    align: str = "bottom_right",
+    backend: str = "auto",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over a packed batch of variable-length sequences (FlashAttention's
+    flash_attn_varlen_func): q (total_q, Hq, E), k (total_k, H, E), v (total_k, H, Ev) ->
+    out (total_q, Hq, Ev) (and lse (Hq, total_q) float32 with return_lse).
+
+    Sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q and cu_seqlens_k[b] ..
+    cu_seqlens_k[b + 1] of k and v (int32 (B + 1,), from 0 to the totals) and attends only
+    within itself; max_seqlen_* bound the lengths. is_causal, window, softcap, alibi_slopes
+    ((Hq,) or (B, Hq)) as in `attention`, per sequence, aligned bottom-right by default (o =
+    S_b - L_b). H divides Hq (grouped-query). Differentiable.
+    """
+    inputs = prepare_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=is_causal,
+        scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, align=align,
+        return_lse=return_lse,
+    )  # fmt: skip
+    return dispatch.attend(inputs, backend)
+
+
+def attention_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: int | Tensor,
+    k_new: Tensor | None = None,
+    v_new: Tensor | None = None,
+    *,
+    block_table: Tensor | None = None,
+    cache_leftpad: Tensor | None = None,
+    is_causal: bool = True,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    num_splits: int = 0,
+    backend: str = "auto",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of a few new queries over a KV cache (FlashAttention's
+    flash_attn_with_kvcache), inference only: q (B, Lq, Hq, E) -> out (B, Lq, Hq, Ev) (and
+    lse (B, Hq, Lq) float32 with return_lse).
+
+    k_cache, v_cache: (B, S_max, H, E), or with block_table (B, pages) int32 a paged cache
+    (num_pages, page_size, H, E), page_size a multiple of 16. cache_seqlens: int or (B,)
+    int32, the keys already cached. k_new, v_new (B, Lnew, H, E), if given, are written into
+    the caller's cache in place at cache_seqlens first; sequence b then attends over its
+    cache_seqlens[b] + Lnew keys, bottom-right aligned (causal by default); cache_leftpad (B,)
+    int32, if given, starts sequence b's keys at that row (left padding). num_splits:
+    split-K chunks per sequence merged by their LSEs, 0 chooses, 1 disables. A call that
+    raises writes nothing.
+    """
+    inputs = prepare_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table,
+        cache_leftpad=cache_leftpad, is_causal=is_causal, scale=scale, window=window,
+        softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+        return_lse=return_lse,
+    )  # fmt: skip
+    chosen = dispatch.select(inputs, backend)
+    append_to_cache(inputs)
+    return inputs.restore(*chosen.run_kvcache(inputs))
 
 
 def _autocast_dtype(query: object) -> torch.dtype | None:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from attnperf.inputs import AttentionInputs
+from attnperf.serving import KVCacheInputs
 
 DTYPE_NAMES = {
     torch.float16: "fp16",
@@ -34,6 +35,9 @@ FEATURES = {
     "gqa": "grouped-query attention",
     "dropout": "dropout_p > 0",
     "backward": "backward (inputs require grad)",
+    "varlen": "packed variable-length sequences (attention_varlen)",
+    "kvcache": "KV-cache attention (attention_with_kvcache)",
+    "kvcache_backward": "backward through attention_with_kvcache (inference only)",
 }
 
 
@@ -96,6 +100,11 @@ class Backend:
         it, else None) for inputs this backend has accepted."""
         raise NotImplementedError
 
+    def run_kvcache(self, inputs: KVCacheInputs) -> tuple[Tensor, Tensor | None]:
+        """(output (B, Hq, Lq, Ev), LSE (B, Hq, Lq) float32 when asked for, else None) of an
+        accepted KV-cache call whose new keys are already written into the cache."""
+        raise NotImplementedError
+
     def describe(self) -> dict[str, object]:
         caps = self.capabilities
         return {
@@ -135,12 +144,18 @@ class FusedBackend(Backend):
 
     forward(inputs) -> (out (B, Hq, L, Ev), stats (B, Hq, L, 2) float32: each row's max in
     base 2 and its sum of 2 ** (score - max); (0, 0) for a row that sees no key);
-    backward(inputs, out, stats, grad_out, grad_lse or None) -> (dq, dk, dv, dmask or None).
+    backward(inputs, out, stats, grad_out, grad_lse or None) -> (dq, dk, dv, dmask or None);
+    kvcache_forward(KVCacheInputs) -> (out (B, Hq, Lq, Ev), stats (B, Hq, Lq, 2)).
     `lse_from_stats` and `stats_from_lse` convert between stats and natural-log LSEs.
     """
 
     forward: Callable[[AttentionInputs], tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor | None, ...]]
+    kvcache_forward: Callable[[KVCacheInputs], tuple[Tensor, Tensor]]
+
+    def run_kvcache(self, inputs: KVCacheInputs) -> tuple[Tensor, Tensor | None]:
+        out, stats = self.kvcache_forward(inputs)
+        return out, lse_from_stats(stats) if inputs.variant.return_lse else None
 
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
         launchers = (self.forward, self.backward)

@@ -10,6 +10,7 @@ from torch import Tensor
 from attnperf.backend import Backend
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels import BACKEND_MODULES
+from attnperf.serving import KVCacheInputs
 
 # Fastest first, per device; on CPU, numba goes first where this machine's measured table
 # (`attnperf tune`, attnperf.tuning) says it is faster, sdpa first everywhere else.
@@ -22,7 +23,8 @@ CPU_NUMBA_FIRST = ("numba", "sdpa", "reference")
 # what is masked: numba first whatever the table says. `attnperf bench --backends sdpa numba
 # --lengths 1024 2048 4096 8192 16384 --window 256 --causal yes`: numba 2.2x / 6.0x / 16.5x /
 # 41x / 89x sdpa's speed forward, 2.6x to 53x forward+backward (2-core AVX-512 machine).
-MASKED_BY_SDPA = frozenset({"window", "alibi", "block_mask"})
+# Packed and KV-cache calls likewise: sdpa pads them to a batch under a mask.
+MASKED_BY_SDPA = frozenset({"window", "alibi", "block_mask", "varlen", "kvcache"})
 
 
 def numba_leads_on_cpu(inputs: AttentionInputs) -> bool:
@@ -72,7 +74,7 @@ def check_name(backend: object) -> None:
         raise ValueError(f"unknown backend {backend!r}; known: auto, {', '.join(known)}")
 
 
-def select(inputs: AttentionInputs, backend: str = "auto") -> Backend:
+def select(inputs: AttentionInputs | KVCacheInputs, backend: str = "auto") -> Backend:
     """The backend that serves `inputs`: the named one, or the first fitting one for "auto"."""
     check_name(backend)
     known = registry()

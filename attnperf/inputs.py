@@ -18,6 +18,41 @@ ALIGNMENTS = ("top_left", "bottom_right")
 
 
 @dataclass(frozen=True)
+class Sequences:
+    """Ragged sequences of one call (packed varlen batches, padded batches, KV caches of
+    different lengths): `table` (B, 6) int64 on the CPU, one row per sequence b: (slot,
+    q_start, q_len, k_start, k_len, offset): its queries are rows q_start .. q_start + q_len
+    of batch entry `slot` of the query array, its keys rows k_start .. k_start + k_len of
+    the key/value arrays, and its diagonal is key i + offset (k_len - q_len bottom-right, 0
+    top-left). `packed`: one slot (0) holds every sequence (attention_varlen); otherwise
+    sequence b is slot b, and query rows outside its range are padding (output 0)."""
+
+    table: Tensor
+    packed: bool
+
+    @property
+    def count(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def max_q_len(self) -> int:
+        return int(self.table[:, 2].max()) if self.count else 0
+
+    @property
+    def max_kv_len(self) -> int:
+        return int(self.table[:, 4].max()) if self.count else 0
+
+    @staticmethod
+    def build(q_starts, q_lens, k_starts, k_lens, align: str, packed: bool) -> Sequences:
+        """The table from per-sequence starts and lengths (int64 CPU tensors)."""
+        count = len(q_lens)
+        slots = torch.zeros(count, dtype=torch.int64) if packed else torch.arange(count)
+        offsets = k_lens - q_lens if align == "bottom_right" else torch.zeros_like(q_lens)
+        table = torch.stack((slots, q_starts, q_lens, k_starts, k_lens, offsets), 1)
+        return Sequences(table, packed)
+
+
+@dataclass(frozen=True)
 class Variant:
     """What a call asks beyond SDPA's arguments, as one value: each kernel file lowers it
     once into its launch arguments (one place to add a field).
@@ -25,7 +60,8 @@ class Variant:
     window (left, right): query i sees keys i + o - left .. i + o + right (inclusive, None
     unbounded), o = 0 for align "top_left", S - L for "bottom_right"; softcap c: scores
     become c * tanh(s / c) before masks and ALiBi; alibi_slopes (B, Hq) float32: adds
-    -slope * |i + o - j|; block_mask: a block-sparse layout; return_lse: the row LSEs too.
+    -slope * |i + o - j|; block_mask: a block-sparse layout; return_lse: the row LSEs too;
+    sequences: ragged sequences (attention_varlen), each with its own alignment o.
     """
 
     window: tuple[int | None, int | None] | None = None
@@ -34,6 +70,7 @@ class Variant:
     alibi_slopes: Tensor | None = None
     block_mask: BlockMask | None = None
     return_lse: bool = False
+    sequences: Sequences | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +80,8 @@ class AttentionInputs:
     query (B, Hq, L, E), key (B, H, S, E), value (B, H, S, Ev); attn_mask is None or a
     broadcast view (B, Hq, L, S), bool (True takes part) or float (added to the scores),
     whose stride is 0 along every broadcast dim. `out_shape` is the caller's output shape.
+    A packed varlen call (variant.sequences.packed) has B = 1 and the sequences' rows along
+    L and S.
     """
 
     query: Tensor
@@ -100,18 +139,34 @@ class AttentionInputs:
         return self.value.shape[3]
 
     @property
+    def sequence_count(self) -> int:
+        """B of the kernels: the batch, or the number of ragged sequences."""
+        sequences = self.variant.sequences
+        return self.batch if sequences is None else sequences.count
+
+    @property
+    def sequences(self) -> Sequences:
+        """The call's sequences: the ragged ones, or one per batch entry (L queries, S keys)."""
+        if self.variant.sequences is not None:
+            return self.variant.sequences
+        zeros = torch.zeros(self.batch, dtype=torch.int64)
+        q_lens, k_lens = zeros + self.q_len, zeros + self.kv_len
+        return Sequences.build(zeros, q_lens, zeros, k_lens, self.variant.align, packed=False)
+
+    @property
     def offset(self) -> int:
-        """o of the alignment: query i's diagonal is key i + o."""
+        """o of the alignment: query i's diagonal is key i + o (per sequence for ragged
+        calls: see Sequences; this is then the largest |o|, for the feature check)."""
+        sequences = self.variant.sequences
+        if sequences is not None:
+            return int(sequences.table[:, 5].abs().max()) if sequences.count else 0
         return self.kv_len - self.q_len if self.variant.align == "bottom_right" else 0
 
     @property
     def band(self) -> tuple[int | None, int | None] | None:
         """(left, right) of the band around the diagonal i + o that causality and the window
         leave (None: unbounded side), or None when neither limits the keys."""
-        if not self.is_causal and self.variant.window is None:
-            return None
-        left, right = self.variant.window or (None, None)
-        return left, 0 if self.is_causal else right
+        return band(self.is_causal, self.variant.window)
 
     def features(self) -> set[str]:
         """The features this call needs a backend to declare (see backend.FEATURES)."""
@@ -130,6 +185,7 @@ class AttentionInputs:
             "gqa": self.q_heads != self.kv_heads,
             "dropout": self.dropout_p > 0,
             "backward": self.needs_grad,
+            "varlen": variant.sequences is not None,
         }  # fmt: skip
         return {name for name, needed in wanted.items() if needed}
 
@@ -137,7 +193,17 @@ class AttentionInputs:
     def has_pairs(self) -> bool:
         """Whether any (query, key) pair exists: zero-size batch, heads or lengths have none
         (head dim 0 still has pairs, of score 0)."""
+        sequences = self.variant.sequences
+        if sequences is not None:
+            lengths = sequences.table[:, 2] * sequences.table[:, 4]
+            return self.q_heads > 0 and bool((lengths > 0).any())
         return self.batch * self.q_heads * self.q_len * self.kv_len > 0
+
+    @property
+    def has_padding(self) -> bool:
+        """Whether some query rows belong to no sequence (a padded batch's padding)."""
+        sequences = self.variant.sequences
+        return sequences is not None and not sequences.packed
 
     @property
     def needs_grad(self) -> bool:
@@ -146,11 +212,24 @@ class AttentionInputs:
 
     def restore(self, out: Tensor, lse: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Reshape a (B, Hq, L, Ev) result (and its (B, Hq, L) LSE when the call asked for
-        it) to the caller's layout."""
+        it) to the caller's layout: (total_q, Hq, Ev) and (Hq, total_q) for packed calls."""
+        if self.variant.sequences is not None and self.variant.sequences.packed:
+            out = out[0].transpose(0, 1).contiguous()
+            return (out, lse[0]) if self.variant.return_lse else out
         out = out.reshape(self.out_shape)
         if not self.variant.return_lse:
             return out
         return out, lse.reshape(self.out_shape[:-1])
+
+
+def band(
+    is_causal: bool, window: tuple[int | None, int | None] | None
+) -> tuple[int | None, int | None] | None:
+    """(left, right) around the diagonal that causality and the window leave, or None."""
+    if not is_causal and window is None:
+        return None
+    left, right = window or (None, None)
+    return left, 0 if is_causal else right
 
 
 def prepare(

@@ -28,6 +28,7 @@ from attnperf.backend import FEATURES, Capabilities, FusedBackend
 from attnperf.inputs import AttentionInputs
 from attnperf.layouts import EMPTY as LAYOUT_EMPTY
 from attnperf.layouts import FULL as LAYOUT_FULL
+from attnperf.serving import KVCacheInputs
 
 try:
     import numba
@@ -265,18 +266,38 @@ def base2_bias(value):
 
 # ---------------------------------------------------------------------------- the variant
 # A call's variant lowered once (`lower_variant`) into one tuple that every kernel passes on:
-# (mask, mask_kind, left, right, offset, softcap2, alibi2, kinds, partial_index, partial,
-#  block_q, block_k). The band is left/right around the diagonal i + offset (UNBOUNDED when
-# open); softcap2 = softcap * log2(e), 0 without; alibi2 (B, Hq) = slopes * log2(e), empty
+# (mask, mask_kind, left, right, sequences, softcap2, alibi2, kinds, partial_index, partial,
+#  block_q, block_k). The band is left/right around each row's diagonal i + offset
+# (UNBOUNDED when open); sequences (B, 6) is attnperf.inputs.Sequences' table (slot, q_start,
+# q_len, k_start, k_len, offset), one row per batch entry for a plain call: row indices i, j
+# are within a sequence, its arrays' rows start at q_start, k_start of batch entry `slot`;
+# softcap2 = softcap * log2(e), 0 without; alibi2 (B, Hq) = slopes * log2(e), empty
 # without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without.
 UNBOUNDED = 1 << 40
 SKIP, MASKED, UNMASKED = 0, 1, 2  # what a (query tile, key tile) needs from the structure
 
 
 @_njit()
-def key_range(variant, i0, rows, kv_len):
+def sequence(variant, b):
+    """(slot, q_start, q_len, k_start, k_len) of sequence b."""
+    row = variant[4][b]
+    return row[0], row[1], row[2], row[3], row[4]
+
+
+@_njit()
+def longest(variant, column):
+    """The largest q_len (column 2) or k_len (4) of the sequences."""
+    sequences = variant[4]
+    result = 0
+    for b in range(sequences.shape[0]):
+        result = max(result, sequences[b, column])
+    return result
+
+
+@_njit()
+def key_range(variant, b, i0, rows, kv_len):
     """[first, end) of the keys that query rows i0 .. i0 + rows - 1 may see in the band."""
-    left, right, offset = variant[2], variant[3], variant[4]
+    left, right, offset = variant[2], variant[3], variant[4][b, 5]
     # Whole multiples of 16 keys (the band masks the extra ones): BLAS runs faster on them.
     first = max(i0 + offset - left, 0) // 16 * 16
     end = min((i0 + rows - 1 + offset + right + 1 + 15) // 16 * 16, kv_len)
@@ -284,9 +305,9 @@ def key_range(variant, i0, rows, kv_len):
 
 
 @_njit()
-def query_range(variant, j0, cols, q_len):
+def query_range(variant, b, j0, cols, q_len):
     """[first, end) of the query rows that may see keys j0 .. j0 + cols - 1 in the band."""
-    left, right, offset = variant[2], variant[3], variant[4]
+    left, right, offset = variant[2], variant[3], variant[4][b, 5]
     first = max(j0 - offset - right, 0)
     end = min(j0 + cols - 1 - offset + left + 1, q_len)
     return first, max(end, first)
@@ -295,7 +316,7 @@ def query_range(variant, j0, cols, q_len):
 @_njit()
 def tile_structure(variant, b, h, i0, rows, j0, cols):
     """SKIP, MASKED or UNMASKED: what the band and the block layout leave of one tile."""
-    left, right, offset = variant[2], variant[3], variant[4]
+    left, right, offset = variant[2], variant[3], variant[4][b, 5]
     # Key j's distance right of row i's diagonal, j - (i + offset), over the tile:
     nearest = j0 - (i0 + rows - 1) - offset
     farthest = j0 + cols - 1 - i0 - offset
@@ -314,12 +335,13 @@ def tile_structure(variant, b, h, i0, rows, j0, cols):
 
 
 @_njit()
-def key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-    """The key tiles that query rows i0 .. i0 + rows - 1 must visit, as (j0, cols,
-    structure) with structure MASKED or UNMASKED: the tile range of the band, without the
-    tiles that the block layout leaves empty."""
+def key_tiles(variant, b, h, i0, rows, k_first, k_end, block_n):
+    """The key tiles among keys k_first .. k_end - 1 that query rows i0 .. i0 + rows - 1
+    must visit, as (j0, cols, structure) with structure MASKED or UNMASKED: the tile range
+    of the band, without the tiles that the block layout leaves empty."""
     tiles = []
-    first, end = key_range(variant, i0, rows, kv_len)
+    first, end = key_range(variant, b, i0, rows, k_end)
+    first = max(first, k_first)
     for j0 in range(first, end, block_n):
         cols = min(block_n, end - j0)
         structure = tile_structure(variant, b, h, i0, rows, j0, cols)
@@ -336,7 +358,8 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
     With a softcap and `dtanh` of the tile's size, also dtanh <- 1 - tanh^2, the softcap's
     gradient factor for the backward.
     """
-    mask, mask_kind, left, right, offset, softcap2, alibi2 = variant[:7]
+    mask, mask_kind, left, right, sequences, softcap2, alibi2 = variant[:7]
+    offset = sequences[b, 5]
     if softcap2 != 0:
         inverse = np.float32(1.0) / softcap2
         for r in range(rows):
@@ -392,47 +415,150 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
                         s[r, c] = -np.inf
 
 
+@_njit(fastmath=FASTMATH)
+def online_softmax_tiles(
+    q_tile, k, v, k_first, k_end, variant, b, h, heads, i0, rows, scale2, block_n, s, acc,
+    row_max, row_sum, shift,
+):  # fmt: skip
+    """The online softmax (unnormalised acc, row_max, row_sum, shift) of query rows i0 ..
+    i0 + rows - 1 of heads h .. h + heads - 1, stacked head by head in q_tile (heads * rows,
+    E), updated with the key tiles they see among keys k_first .. k_end - 1, whose rows
+    k, v (k_end - k_first, E) hold."""
+    no_dtanh = np.empty((0, 0), np.float32)
+    for j0, cols, structure in key_tiles(variant, b, h, i0, rows, k_first, k_end, block_n):
+        gemm(q_tile, k[j0 - k_first : j0 - k_first + cols], s[:, :cols], scale2, 0.0, False,
+             True)  # fmt: skip
+        for g in range(heads):
+            block = s[g * rows : (g + 1) * rows]
+            modify_scores(block, variant, b, h + g, i0, j0, rows, cols, structure, no_dtanh)
+        for r in range(heads * rows):
+            new_max = row_maximum(s[r], cols, row_max[r])
+            # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
+            shift[r] = new_max if new_max != -np.inf else 0.0
+            alpha = 2.0 ** (row_max[r] - shift[r]) if row_max[r] != -np.inf else 0.0
+            row_max[r] = new_max
+            row_sum[r] = row_sum[r] * alpha + exp2_shifted(s[r], cols, shift[r], 1.0)
+            for e in range(acc.shape[1]):
+                acc[r, e] *= alpha
+        gemm(s[:, :cols], v[j0 - k_first : j0 - k_first + cols], acc, 1.0, 1.0, False, False)
+
+
 @_njit(parallel=True, fastmath=FASTMATH)
 def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
     2 ** (score - max); fp32 q, k, v with unit stride along E."""
-    batch, q_heads, q_len, _ = q.shape
-    kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], v.shape[3]
     group = q_heads // kv_heads
-    q_tiles = (q_len + block_m - 1) // block_m
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     scale2 = scale * LOG2E
-    no_dtanh = np.empty((0, 0), np.float32)
-    for item in prange(batch * q_heads * q_tiles):
+    for item in prange(variant[4].shape[0] * q_heads * q_tiles):
         b, h, tile = split_index(item, q_heads, q_tiles)
-        hk = h // group
+        slot, q0, q_len, k0, kv_len = sequence(variant, b)
         i0 = tile * block_m
         rows = min(block_m, q_len - i0)
-        q_tile = q[b, h, i0 : i0 + rows]
+        if rows <= 0:  # past this sequence's end
+            continue
         s = np.empty((rows, block_n), np.float32)
         acc = np.zeros((rows, value_dim), np.float32)
         row_max = np.full(rows, -np.inf, np.float32)
         row_sum = np.zeros(rows, np.float32)
         shift = np.zeros(rows, np.float32)
-        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-            gemm(q_tile, k[b, hk, j0 : j0 + cols], s[:, :cols], scale2, 0.0, False, True)
-            modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
-            for r in range(rows):
-                new_max = row_maximum(s[r], cols, row_max[r])
-                # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
-                shift[r] = new_max if new_max != -np.inf else 0.0
-                alpha = 2.0 ** (row_max[r] - shift[r]) if row_max[r] != -np.inf else 0.0
-                row_max[r] = new_max
-                row_sum[r] = row_sum[r] * alpha + exp2_shifted(s[r], cols, shift[r], 1.0)
-                for e in range(value_dim):
-                    acc[r, e] *= alpha
-            gemm(s[:, :cols], v[b, hk, j0 : j0 + cols], acc, 1.0, 1.0, False, False)
+        hk = h // group
+        online_softmax_tiles(
+            q[slot, h, q0 + i0 : q0 + i0 + rows], k[slot, hk, k0 : k0 + kv_len],
+            v[slot, hk, k0 : k0 + kv_len], 0, kv_len, variant, b, h, 1, i0, rows, scale2,
+            block_n, s, acc, row_max, row_sum, shift,
+        )  # fmt: skip
         for r in range(rows):
             # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
             inv = 1.0 / row_sum[r] if row_sum[r] != 0 else 0.0
             for e in range(value_dim):
-                out[b, h, i0 + r, e] = acc[r, e] * inv
-            stats[b, h, i0 + r, 0] = shift[r]
-            stats[b, h, i0 + r, 1] = row_sum[r]
+                out[slot, h, q0 + i0 + r, e] = acc[r, e] * inv
+            stats[slot, h, q0 + i0 + r, 0] = shift[r]
+            stats[slot, h, q0 + i0 + r, 1] = row_sum[r]
+
+
+@_njit(parallel=True, fastmath=FASTMATH)
+def kvcache_forward_splits(
+    q, k_pages, v_pages, block_table, variant, scale, block_n, partial_out, partial_stats
+):
+    """Split-K attention of q (B, Hq, Lq, E) over a paged KV cache (pages (P, page_size, H,
+    E), block_table (B, pages)): split s of sequence b covers the s-th of equal chunks of
+    the keys its rows see, into partial_out (splits, B, Hq, Lq, Ev), unnormalised, and
+    partial_stats (splits, B, Hq, Lq, 2), each row's base-2 max and sum.
+
+    The query rows of a key/value head's whole group go through each K/V tile together
+    (FlashAttention's "pack GQA"): K and V are read once per key/value head.
+    """
+    splits = partial_out.shape[0]
+    batch, q_heads, q_len, head_dim = q.shape
+    page_size, kv_heads, value_dim = k_pages.shape[1], k_pages.shape[2], v_pages.shape[3]
+    group = q_heads // kv_heads
+    rows = group * q_len
+    scale2 = scale * LOG2E
+    for item in prange(batch * kv_heads * splits):
+        b, hk, split = split_index(item, kv_heads, splits)
+        h = hk * group
+        q_rows = np.empty((rows, head_dim), np.float32)
+        for g in range(group):
+            q_rows[g * q_len : (g + 1) * q_len] = q[b, h + g]
+        s = np.empty((rows, block_n), np.float32)
+        acc = np.zeros((rows, value_dim), np.float32)
+        row_max = np.full(rows, -np.inf, np.float32)
+        row_sum = np.zeros(rows, np.float32)
+        shift = np.zeros(rows, np.float32)
+        k_start, kv_len = variant[4][b, 3], variant[4][b, 4]
+        first, end = key_range(variant, b, 0, q_len, kv_len)
+        chunk = ((end - first + splits - 1) // splits + 15) // 16 * 16
+        lo, hi = first + split * chunk, min(first + (split + 1) * chunk, end)
+        # Key j is cache row k_start + j; pages hold page_size rows; tiles never cross one.
+        page_start = (k_start + lo) // page_size * page_size
+        while page_start < k_start + hi:
+            page = block_table[b, page_start // page_size]
+            k_first = max(lo, page_start - k_start)
+            k_end = min(hi, page_start + page_size - k_start)
+            in_page = slice(k_start + k_first - page_start, k_start + k_end - page_start)
+            online_softmax_tiles(
+                q_rows, k_pages[page, in_page, hk], v_pages[page, in_page, hk], k_first, k_end,
+                variant, b, h, group, 0, q_len, scale2, block_n, s, acc, row_max, row_sum,
+                shift,
+            )  # fmt: skip
+            page_start += page_size
+        for g in range(group):
+            for t in range(q_len):
+                r = g * q_len + t
+                partial_out[split, b, h + g, t] = acc[r]
+                partial_stats[split, b, h + g, t, 0] = shift[r]
+                partial_stats[split, b, h + g, t, 1] = row_sum[r]
+
+
+@_njit(parallel=True, fastmath=FASTMATH)
+def merge_splits(partial_out, partial_stats, out, stats):
+    """out (B, Hq, L, Ev) and stats (B, Hq, L, 2) of the splits' partial softmaxes
+    combined exactly: merge_attention's rule in base 2, on unnormalised accumulators."""
+    splits, batch, heads, q_len, value_dim = partial_out.shape
+    for item in prange(batch * heads):
+        b, h, _ = split_index(item, heads, 1)
+        for t in range(q_len):
+            largest = -np.inf
+            for split in range(splits):
+                if partial_stats[split, b, h, t, 1] > 0:
+                    largest = max(largest, partial_stats[split, b, h, t, 0])
+            total = np.float32(0.0)
+            row = out[b, h, t]
+            row[:] = 0.0
+            for split in range(splits):
+                part_sum = partial_stats[split, b, h, t, 1]
+                if part_sum > 0:
+                    weight = np.float32(2.0 ** (partial_stats[split, b, h, t, 0] - largest))
+                    total += part_sum * weight
+                    for e in range(value_dim):
+                        row[e] += weight * partial_out[split, b, h, t, e]
+            inverse = np.float32(1.0) / total if total > 0 else np.float32(0.0)
+            for e in range(value_dim):
+                row[e] *= inverse
+            stats[b, h, t, 0] = largest if total > 0 else 0.0
+            stats[b, h, t, 1] = total
 
 
 @_njit(fastmath=FASTMATH)
@@ -476,38 +602,44 @@ def through_softcap(ds, dtanh, rows, cols):
 def attention_backward_dq(
     q, k, v, variant, scale, stats, grad_out, delta, dq, dmask, block_m, block_n
 ):
-    """dq += (and the float mask's gradient dS, when dmask is L x S) per query tile."""
-    batch, q_heads, q_len, _ = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    """dq += (and the float mask's gradient dS into dmask, unless it is empty) per query
+    tile."""
+    q_heads, kv_heads = q.shape[1], k.shape[1]
     group = q_heads // kv_heads
-    q_tiles = (q_len + block_m - 1) // block_m
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     scale2 = scale * LOG2E
-    want_dmask = dmask.shape[2] == q_len and dmask.shape[3] == kv_len
+    want_dmask = dmask.shape[0] > 0
     softcapped = variant[5] != 0
-    for item in prange(batch * q_heads * q_tiles):
+    for item in prange(variant[4].shape[0] * q_heads * q_tiles):
         b, h, tile = split_index(item, q_heads, q_tiles)
+        slot, q0, q_len, k0, kv_len = sequence(variant, b)
         hk = h // group
         i0 = tile * block_m
         rows = min(block_m, q_len - i0)
-        q_tile = q[b, h, i0 : i0 + rows]
-        do_tile = grad_out[b, h, i0 : i0 + rows]
+        if rows <= 0:  # past this sequence's end
+            continue
+        q_tile = q[slot, h, q0 + i0 : q0 + i0 + rows]
+        do_tile = grad_out[slot, h, q0 + i0 : q0 + i0 + rows]
         p_buffer = np.empty((rows, block_n), np.float32)
         ds_buffer = np.empty((rows, block_n), np.float32)
         dtanh = np.empty((rows if softcapped else 0, block_n), np.float32)
-        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-            k_tile, v_tile = k[b, hk, j0 : j0 + cols], v[b, hk, j0 : j0 + cols]
+        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, 0, kv_len, block_n):
+            k_tile = k[slot, hk, k0 + j0 : k0 + j0 + cols]
+            v_tile = v[slot, hk, k0 + j0 : k0 + j0 + cols]
             ds = ds_buffer[:, :cols]
             probabilities(
                 q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
-                stats[b, h],
+                stats[slot, h, q0 : q0 + q_len],
             )  # fmt: skip
             gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
-            score_gradients(p_buffer, ds_buffer, delta[b, h, i0 : i0 + rows], rows, cols)
-            if want_dmask:
+            score_gradients(
+                p_buffer, ds_buffer, delta[slot, h, q0 + i0 : q0 + i0 + rows], rows, cols
+            )
+            if want_dmask:  # plain calls only: slot b, no row offsets
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
             if softcapped:
                 through_softcap(ds_buffer, dtanh, rows, cols)
-            gemm(ds, k_tile, dq[b, h, i0 : i0 + rows], scale, 1.0, False, False)
+            gemm(ds, k_tile, dq[slot, h, q0 + i0 : q0 + i0 + rows], scale, 1.0, False, False)
 
 
 @_njit(fastmath=FASTMATH)
@@ -517,39 +649,41 @@ def key_tile_gradients(
 ):  # fmt: skip
     """dk, dv += those of keys j0..j0+cols of head hk, over the query heads of its group.
 
-    With `with_dq`, also dq += dS K and, when dmask is L x S, dS into dmask: the caller owns
-    every query row of the group then, so no other thread writes them.
+    With `with_dq`, also dq += dS K and, unless dmask is empty, dS into dmask: the caller
+    owns every query row of the group then, so no other thread writes them.
     """
-    q_heads, q_len = q.shape[1], q.shape[2]
-    group = q_heads // k.shape[1]
+    group = q.shape[1] // k.shape[1]
     scale2 = scale * LOG2E
     softcapped = variant[5] != 0
-    want_dmask = with_dq and dmask.shape[2] == q_len and dmask.shape[3] == k.shape[2]
-    k_tile, v_tile = k[b, hk, j0 : j0 + cols], v[b, hk, j0 : j0 + cols]
-    dk_tile, dv_tile = dk[b, hk, j0 : j0 + cols], dv[b, hk, j0 : j0 + cols]
-    first, end = query_range(variant, j0, cols, q_len)
+    want_dmask = with_dq and dmask.shape[0] > 0
+    slot, q0, q_len, k0, _ = sequence(variant, b)
+    keys = slice(k0 + j0, k0 + j0 + cols)
+    k_tile, v_tile = k[slot, hk, keys], v[slot, hk, keys]
+    dk_tile, dv_tile = dk[slot, hk, keys], dv[slot, hk, keys]
+    first, end = query_range(variant, b, j0, cols, q_len)
     for h in range(hk * group, (hk + 1) * group):
         for i0 in range(first, end, block_m):
             rows = min(block_m, end - i0)
             structure = tile_structure(variant, b, h, i0, rows, j0, cols)
             if structure == SKIP:
                 continue
-            q_tile, do_tile = q[b, h, i0 : i0 + rows], grad_out[b, h, i0 : i0 + rows]
+            queries = slice(q0 + i0, q0 + i0 + rows)
+            q_tile, do_tile = q[slot, h, queries], grad_out[slot, h, queries]
             p, ds = p_buffer[:rows, :cols], ds_buffer[:rows, :cols]
             probabilities(
                 q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
-                stats[b, h],
+                stats[slot, h, q0 : q0 + q_len],
             )  # fmt: skip
             gemm(p, do_tile, dv_tile, 1.0, 1.0, True, False)
             gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
-            score_gradients(p_buffer, ds_buffer, delta[b, h, i0 : i0 + rows], rows, cols)
-            if want_dmask:
+            score_gradients(p_buffer, ds_buffer, delta[slot, h, queries], rows, cols)
+            if want_dmask:  # plain calls only: slot b, no row offsets
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
             if softcapped:
                 through_softcap(ds_buffer, dtanh, rows, cols)
             gemm(ds, q_tile, dk_tile, scale, 1.0, True, False)
             if with_dq:
-                gemm(ds, k_tile, dq[b, h, i0 : i0 + rows], scale, 1.0, False, False)
+                gemm(ds, k_tile, dq[slot, h, queries], scale, 1.0, False, False)
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
@@ -557,14 +691,16 @@ def attention_backward_dkdv(
     q, k, v, variant, scale, stats, grad_out, delta, dk, dv, block_m, block_n
 ):
     """dk, dv += per key tile, summed over every query head of the key/value head's group."""
-    batch, kv_heads, kv_len = k.shape[0], k.shape[1], k.shape[2]
-    kv_tiles = (kv_len + block_n - 1) // block_n
-    unused = np.zeros((1, 1, 1, 1), np.float32)
+    kv_heads = k.shape[1]
+    kv_tiles = (longest(variant, 4) + block_n - 1) // block_n
+    unused = np.zeros((0, 0, 0, 0), np.float32)
     softcapped = variant[5] != 0
-    for item in prange(batch * kv_heads * kv_tiles):
+    for item in prange(variant[4].shape[0] * kv_heads * kv_tiles):
         b, hk, tile = split_index(item, kv_heads, kv_tiles)
         j0 = tile * block_n
-        cols = min(block_n, kv_len - j0)
+        cols = min(block_n, variant[4][b, 4] - j0)
+        if cols <= 0:  # past this sequence's end
+            continue
         p_buffer = np.empty((block_m, cols), np.float32)
         ds_buffer = np.empty((block_m, cols), np.float32)
         dtanh = np.empty((block_m if softcapped else 0, cols), np.float32)
@@ -583,10 +719,11 @@ def attention_backward_fused(
     One prange item per (batch, key/value head) owns every query head of its group, so its
     dq updates need no atomics; worth it when there are enough items for the threads.
     """
-    batch, kv_heads, kv_len = k.shape[0], k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
     softcapped = variant[5] != 0
-    for item in prange(batch * kv_heads):
+    for item in prange(variant[4].shape[0] * kv_heads):
         b, hk, _ = split_index(item, kv_heads, 1)
+        kv_len = variant[4][b, 4]
         p_buffer = np.empty((block_m, block_n), np.float32)
         ds_buffer = np.empty((block_m, block_n), np.float32)
         dtanh = np.empty((block_m if softcapped else 0, block_n), np.float32)
@@ -635,7 +772,7 @@ def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int]:
     return _as_numpy(compact.float().expand(mask.shape)), MASK_FLOAT
 
 
-def lower_variant(inputs: AttentionInputs) -> tuple:
+def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     """The call's masks and variant as the kernels' one `variant` tuple (see UNBOUNDED)."""
     mask, mask_kind = _mask_for_kernel(inputs)
     variant = inputs.variant
@@ -663,7 +800,8 @@ def lower_variant(inputs: AttentionInputs) -> tuple:
     return (
         mask, mask_kind,
         UNBOUNDED if left is None else left, UNBOUNDED if right is None else right,
-        inputs.offset, softcap2, alibi2, kinds, partial_index, partial, block_q, block_k,
+        inputs.sequences.table.numpy(), softcap2, alibi2, kinds, partial_index, partial,
+        block_q, block_k,
     )  # fmt: skip
 
 
@@ -787,8 +925,9 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
     q, k, v = _fp32(inputs.query), _fp32(inputs.key), _fp32(inputs.value)
     no_work = not inputs.has_pairs  # then zeros: no key is seen
-    out, out_array = _float32_array((*q.shape[:3], v.shape[3]), zero=no_work)
-    stats, stats_array = _float32_array((*q.shape[:3], 2), zero=no_work)
+    zero = no_work or inputs.has_padding  # nor by a padded batch's padding rows
+    out, out_array = _float32_array((*q.shape[:3], v.shape[3]), zero=zero)
+    stats, stats_array = _float32_array((*q.shape[:3], 2), zero=zero)
     if not no_work:
         _run_parallel(
             online_softmax_forward, q, k, v, lower_variant(inputs), inputs.scale, out_array,
@@ -835,15 +974,19 @@ def numba_attention_backward(
     stats = _as_numpy(stats.contiguous())
     no_lse = np.zeros((0, 0, 0), np.float32)
     lse_grad = no_lse if grad_lse is None else _as_numpy(grad_lse.detach().float().contiguous())
-    _, delta = _float32_array(stats.shape[:3])
+    # (tensor, array): kept bound while the kernels run, as the tensor owns the array's memory.
+    delta_buffer = _float32_array(stats.shape[:3])
+    delta = delta_buffer[1]
     (dq, dq_array), (dk, dk_array), (dv, dv_array) = (
         _float32_array(t.shape, zero=True) for t in (q, k, v)
     )
     want_dmask = inputs.mask_kind == "float" and inputs.attn_mask.requires_grad
-    dmask_shape = inputs.attn_mask.shape if want_dmask else (1, 1, 1, 1)
+    dmask_shape = inputs.attn_mask.shape if want_dmask else (0, 0, 0, 0)
     dmask, dmask_array = _float32_array(dmask_shape, zero=True)
     if fused is None:
-        fused = fused_backward_pays(inputs.batch * inputs.kv_heads, torch.get_num_threads())
+        fused = fused_backward_pays(
+            inputs.sequence_count * inputs.kv_heads, torch.get_num_threads()
+        )
     if inputs.has_pairs:
         _run_parallel(softmax_delta, _fp32(out), do, stats, lse_grad, delta)
         common = (q, k, v, variant, inputs.scale, stats, do, delta)
@@ -858,6 +1001,50 @@ def numba_attention_backward(
     return dq.to(inputs.dtype), dk.to(inputs.dtype), dv.to(inputs.dtype), dmask
 
 
+def kvcache_splits(inputs: KVCacheInputs, threads: int) -> int:
+    """How many chunks each sequence's keys are split into: as asked, else enough that the
+    (batch, kv head, split) items fill the threads evenly, with at least MIN_SPLIT_KEYS each."""
+    if inputs.num_splits:
+        return inputs.num_splits
+    items = inputs.batch * inputs.kv_heads
+    if items == 0 or items >= threads:
+        return 1
+    longest = inputs.sequences.max_kv_len
+    return max(1, min(threads // math.gcd(items, threads), longest // MIN_SPLIT_KEYS))
+
+
+# A split's fixed cost (its partial rows, the merge) is a few microseconds: below ~256 keys
+# (64K multiply-adds per row at head dim 128) it outweighs what a second thread saves.
+MIN_SPLIT_KEYS = 256
+
+
+def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
+    """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of a KV-cache call:
+    split-K over (batch, kv head, split) items, merged exactly."""
+    k_pages, v_pages = inputs.k_pages, inputs.v_pages
+    if inputs.block_table.shape[1] == 1 and inputs.batch == k_pages.shape[0]:
+        # A contiguous cache: only its filled rows (fp16/bf16 ones are converted).
+        filled = int((inputs.sequences.table[:, 3] + inputs.sequences.table[:, 4]).max())
+        k_pages, v_pages = k_pages[:, :filled], v_pages[:, :filled]
+    q, k_pages, v_pages = _fp32(inputs.query), _fp32(k_pages), _fp32(v_pages)
+    splits = kvcache_splits(inputs, torch.get_num_threads())
+    shape = (*q.shape[:3], v_pages.shape[3])
+    # (tensor, array) pairs: kept bound while the kernels run, as the tensors own the memory.
+    partials = _float32_array((splits, *shape)), _float32_array((splits, *q.shape[:3], 2))
+    partial_out, partial_stats = partials[0][1], partials[1][1]
+    out, out_array = _float32_array(shape, zero=True)
+    stats, stats_array = _float32_array((*q.shape[:3], 2), zero=True)
+    if q.size:
+        variant = lower_variant(inputs)
+        table = _as_numpy(inputs.block_table.cpu())
+        _run_parallel(
+            kvcache_forward_splits, q, k_pages, v_pages, table, variant, inputs.scale, BLOCK_N,
+            partial_out, partial_stats,
+        )  # fmt: skip
+        _run_parallel(merge_splits, partial_out, partial_stats, out_array, stats_array)
+    return out.to(inputs.dtype), stats
+
+
 class NumbaBackend(FusedBackend):
     name = "numba"
     description = "fused tiled online-softmax CPU kernel (Numba, BLAS tiles), O(tile) memory"
@@ -865,11 +1052,12 @@ class NumbaBackend(FusedBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         max_head_dim=None,
-        features=frozenset(FEATURES) - {"dropout"},
+        features=frozenset(FEATURES) - {"dropout", "kvcache_backward"},
     )
 
     forward = staticmethod(numba_attention_forward)
     backward = staticmethod(numba_attention_backward)
+    kvcache_forward = staticmethod(numba_kvcache_forward)
 
     def unavailable_reason(self) -> str | None:
         return _MISSING

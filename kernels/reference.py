@@ -11,6 +11,7 @@ from torch import Tensor
 
 from attnperf.backend import FEATURES, Backend, Capabilities
 from attnperf.inputs import SUPPORTED_DTYPES, AttentionInputs, prepare
+from attnperf.serving import KVCacheInputs, cached_keys
 
 
 def variant_masks(
@@ -20,21 +21,35 @@ def variant_masks(
     the block mask; alibi, (B, Hq, L, S) in `dtype`: -slope * |i + o - j|), each None when
     the call has none. Query i's diagonal is key i + o (o = 0 top-left, S - L bottom-right).
     """
-    rows = torch.arange(inputs.q_len, device=inputs.device)[:, None]
-    cols = torch.arange(inputs.kv_len, device=inputs.device)[None, :]
-    distance = cols - (rows + inputs.offset)  # how far right of row i's diagonal key j is
-    allowed = None
-    if inputs.band is not None:
-        left, right = inputs.band
-        allowed = torch.ones_like(distance, dtype=torch.bool)
-        if left is not None:
-            allowed &= distance >= -left
-        if right is not None:
-            allowed &= distance <= right
+    allowed, alibi = dense_masks(inputs, inputs.q_len, inputs.kv_len, inputs.offset, dtype)
     block_mask = inputs.variant.block_mask
     if block_mask is not None:
         dense = block_mask.to_dense().to(inputs.device)
         allowed = dense if allowed is None else allowed & dense
+    return allowed, alibi
+
+
+def dense_masks(
+    inputs: AttentionInputs | KVCacheInputs,
+    q_len: int,
+    kv_len: int,
+    offset: int | Tensor,
+    dtype: torch.dtype,
+    kv_lens: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """(allowed, alibi) as in variant_masks over L x S for the band and ALiBi, with `offset`
+    an int or per sequence (B, 1, 1, 1); keys at or past `kv_lens` (B, 1, 1, 1), if given,
+    are padding and never allowed."""
+    rows = torch.arange(q_len, device=inputs.device)[:, None]
+    cols = torch.arange(kv_len, device=inputs.device)[None, :]
+    distance = cols - (rows + offset)  # how far right of row i's diagonal key j is
+    allowed = None if kv_lens is None else cols < kv_lens
+    if inputs.band is not None:
+        left, right = inputs.band
+        if left is not None:
+            allowed = distance >= -left if allowed is None else allowed & (distance >= -left)
+        if right is not None:
+            allowed = distance <= right if allowed is None else allowed & (distance <= right)
     alibi = None
     if inputs.variant.alibi_slopes is not None:
         slopes = inputs.variant.alibi_slopes.to(dtype)[:, :, None, None]
@@ -122,14 +137,61 @@ class ReferenceBackend(Backend):
         devices=("cpu", "cuda"),
         dtypes=SUPPORTED_DTYPES,
         max_head_dim=None,
-        features=frozenset(FEATURES),  # every one: it is the ground truth
+        # Every one (it is the ground truth) but a backward through the KV cache, which
+        # attention_with_kvcache is not for.
+        features=frozenset(FEATURES) - {"kvcache_backward"},
     )
 
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
+        if inputs.variant.sequences is not None:
+            return self.run_sequences(inputs)
         # fp16/bf16 computed in fp32, as SDPA does: fp16 scores overflow at |q.k| > 65504.
         half = inputs.dtype in (torch.float16, torch.bfloat16)
         out, _, lse = reference_attention(inputs, torch.float32 if half else None)
         return out, lse if inputs.variant.return_lse else None
+
+    def run_sequences(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
+        """One sequence at a time, on views of its rows; rows of no sequence give 0."""
+        slots, heads, rows = inputs.query.shape[:3]
+        # Row-major (slot, row, head) while filling: a sequence's rows are then one index.
+        out = inputs.query.new_zeros((slots, rows, heads, inputs.value_dim))
+        lse = out.new_full((slots, rows, heads), float("-inf"), dtype=torch.float32)
+        for b, (slot, q0, q_len, k0, k_len, _) in enumerate(inputs.sequences.table.tolist()):
+            query = inputs.query[slot : slot + 1, :, q0 : q0 + q_len]
+            key, value = (
+                t[slot : slot + 1, :, k0 : k0 + k_len] for t in (inputs.key, inputs.value)
+            )
+            part_out, part_lse = self.run(sequence_call(inputs, b, query, key, value))
+            where = (torch.tensor(slot), torch.arange(q0, q0 + q_len))
+            out = out.index_put(where, part_out[0].transpose(0, 1))
+            if part_lse is not None:
+                lse = lse.index_put(where, part_lse[0].transpose(0, 1))
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+        return out, lse if inputs.variant.return_lse else None
+
+    def run_kvcache(self, inputs: KVCacheInputs) -> tuple[Tensor, Tensor | None]:
+        parts = []
+        for b in range(inputs.batch):  # one sequence at a time, its keys gathered from pages
+            keys, values = cached_keys(inputs, b)
+            part = sequence_call(inputs, b, inputs.query[b : b + 1], keys[None], values[None])
+            parts.append(self.run(part))
+        out = torch.cat([out for out, _ in parts])
+        lse = torch.cat([lse for _, lse in parts]) if inputs.variant.return_lse else None
+        return out, lse
+
+
+def sequence_call(
+    inputs: AttentionInputs | KVCacheInputs, b: int, query: Tensor, key: Tensor, value: Tensor
+) -> AttentionInputs:
+    """Sequence b of a ragged call as a plain (1, H, L, E) call with the same variant."""
+    variant = inputs.variant
+    slopes = variant.alibi_slopes
+    return prepare(
+        query, key, value, None, 0.0, inputs.is_causal, inputs.scale,
+        query.shape[1] != key.shape[1], window=variant.window, softcap=variant.softcap,
+        alibi_slopes=None if slopes is None else slopes[b], align=variant.align,
+        return_lse=variant.return_lse,
+    )  # fmt: skip
 
 
 BACKEND = ReferenceBackend()

@@ -10,6 +10,7 @@ interpreter (TRITON_INTERPRET=1, set before attnperf's kernels are first used).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from attnperf.backend import FEATURES, Capabilities, FusedBackend
 from attnperf.inputs import AttentionInputs
+from attnperf.serving import KVCacheInputs
 
 try:
     import triton
@@ -89,7 +91,7 @@ def prune_forward_configs(configs, named_args, **kwargs):
         for c in configs
         if c.kwargs["BLOCK_N"] * max(head_dim, value_dim) <= 128 * 128
         and c.kwargs["BLOCK_M"] * max(head_dim, value_dim) <= 128 * 256
-        and c.kwargs["BLOCK_M"] <= max(_next_power_of_2(args["q_len"]), 64)
+        and c.kwargs["BLOCK_M"] <= max(args["q_len_class"], 64)
         and forward_shared_bytes(c, head_dim, value_dim, query.element_size(), masked) <= limit
     ]
     return kept or configs[-1:]
@@ -138,6 +140,16 @@ def _autotune(**kwargs):
 # softcap2 = softcap * log2(e), the ALiBi slopes * log2(e) and the block layout (kinds,
 # partial_index, partial with their strides), and constexprs saying which are present.
 UNBOUNDED = 1 << 30
+
+
+@_jit
+def sequence(Sequences, b):
+    """(slot, q_start, q_len, k_start, k_len, offset) of sequence b: a row of
+    attnperf.inputs.Sequences' table (int64, so that row offsets times strides never
+    overflow)."""
+    row = Sequences + b * 6
+    return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
+            tl.load(row + 4), tl.load(row + 5))  # fmt: skip
 
 
 @_jit
@@ -295,7 +307,7 @@ def dot_pv(p, v, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr):
     prune_configs_by={"early_config_prune": prune_forward_configs},
 )  # fmt: skip
 @(
-    triton.heuristics({"EVEN_N": lambda args: args["kv_len"] % args["BLOCK_N"] == 0})
+    triton.heuristics({"EVEN_N": lambda args: args["kv_len_gcd"] % args["BLOCK_N"] == 0})
     if triton
     else (lambda f: f)
 )
@@ -304,8 +316,8 @@ def online_softmax_forward_kernel(
     Q, K, V, Mask, Out, Stats,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn, sob, soh, som, sod,
-    q_heads, group, q_len, kv_len, head_dim, value_dim, scale2, q_len_class, kv_len_class,
-    left, right, offset, softcap2, Alibi, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
+    q_heads, group, q_rows, head_dim, value_dim, scale2, q_len_class, kv_len_class, kv_len_gcd,
+    Sequences, left, right, softcap2, Alibi, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
     MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_Q: tl.constexpr,
     LAYOUT_K: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -313,23 +325,26 @@ def online_softmax_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
     """Out (B, Hq, L, Ev) and Stats (B, Hq, L, 2), each row's base-2 max and sum, for one
-    query tile."""
+    query tile of one sequence (q_rows: the query array's L)."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
     h = bh % q_heads
     hk = h // group
+    slot, q_start, q_len, k_start, kv_len, offset = sequence(Sequences, b)
     start_m = tile * BLOCK_M
+    if start_m >= q_len:  # past this sequence's end
+        return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+        Q + slot * sqb + h * sqh + (q_start + offs_m[:, None]) * sqm + offs_d[None, :] * sqd,
         mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim),
         other=0.0,
     )
-    K_bh = K + b * skb + hk * skh
-    V_bh = V + b * svb + hk * svh
+    K_bh = K + slot * skb + hk * skh + k_start * skn
+    V_bh = V + slot * svb + hk * svh + k_start * svn
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -367,11 +382,11 @@ def online_softmax_forward_kernel(
     # Rows that see no key (sum 0) give 0, and so does their backward (p = 2**s * 0).
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
-        Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
+        Out + slot * sob + h * soh + (q_start + offs_m[:, None]) * som + offs_dv[None, :] * sod,
         out.to(Out.dtype.element_ty),
         mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < value_dim),
     )
-    stats = Stats + (bh * q_len + offs_m) * 2
+    stats = Stats + ((slot * q_heads + h) * q_rows + q_start + offs_m) * 2
     tl.store(stats, tl.where(l_i == 0.0, 0.0, m_i), mask=offs_m < q_len)
     tl.store(stats + 1, l_i, mask=offs_m < q_len)
 
@@ -392,7 +407,7 @@ def attention_backward_preprocess(
 
 @_jit
 def recompute_probabilities(
-    q, K_bh, Mask, Stats, b, h, bh, offs_m, offs_n, q_len, kv_len, head_dim, scale2,
+    q, K_bh, Mask, Stats, b, h, row0, offs_m, offs_n, q_len, kv_len, head_dim, scale2,
     skn, skd, smb, smh, smm, smn,
     left, right, offset, softcap2, Alibi, q_heads, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
     MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -402,7 +417,7 @@ def recompute_probabilities(
 ):  # fmt: skip
     """(P, the softcap's gradient factor) of one tile from the rows' saved max and sum:
     kept apart, they hold the sum where max + log2(sum) would round it away (scores near
-    finfo.min)."""
+    finfo.min). Row i's stats are row row0 + i of the (rows, 2) Stats."""
     s = tile_scores(q, K_bh, offs_n, kv_len, head_dim, scale2, skn, skd, BLOCK_D, WIDEN_DOT,
                     IEEE)  # fmt: skip
     s, dtanh = modify_scores(
@@ -410,7 +425,7 @@ def recompute_probabilities(
         offset, softcap2, Alibi, q_heads, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
         MASK_KIND, HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_LAYOUT, LAYOUT_Q, LAYOUT_K, False,
     )  # fmt: skip
-    stats = Stats + (bh * q_len + offs_m) * 2
+    stats = Stats + (row0 + offs_m) * 2
     row_max = tl.load(stats, mask=offs_m < q_len, other=0.0)
     row_sum = tl.load(stats + 1, mask=offs_m < q_len, other=0.0)
     inverse = tl.where(row_sum == 0.0, 0.0, 1.0 / tl.where(row_sum == 0.0, 1.0, row_sum))
@@ -421,30 +436,34 @@ def recompute_probabilities(
 def attention_backward_dkdv_kernel(
     Q, K, V, Mask, GradOut, Stats, Delta, DK, DV,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    smb, smh, smm, smn, sdb, sdh, sdm, sdd,
-    q_heads, kv_heads, group, q_len, kv_len, head_dim, value_dim, scale2, scale,
-    left, right, offset, softcap2, Alibi, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
+    smb, smh, smm, smn,
+    q_heads, kv_heads, group, q_rows, kv_rows, head_dim, value_dim, scale2, scale,
+    Sequences, left, right, softcap2, Alibi, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
     MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_Q: tl.constexpr,
     LAYOUT_K: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """dK, dV of one key tile, summed over the query heads of its group (no atomics).
+    """dK, dV of one key tile of one sequence, summed over the query heads of its group (no
+    atomics).
 
-    GradOut is contiguous (B, Hq, L, Ev); DK, DV are contiguous like K, V.
+    GradOut is contiguous (B, Hq, q_rows, Ev); DK, DV are contiguous (B, H, kv_rows, E).
     """
     tile = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // kv_heads
     hk = bhk % kv_heads
+    slot, q_start, q_len, k_start, kv_len, offset = sequence(Sequences, b)
     start_n = tile * BLOCK_N
+    if start_n >= kv_len:  # past this sequence's end
+        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    K_bh = K + b * skb + hk * skh
+    K_bh = K + slot * skb + hk * skh + k_start * skn
     v = tl.load(
-        V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+        V + slot * svb + hk * svh + (k_start + offs_n[:, None]) * svn + offs_dv[None, :] * svd,
         mask=(offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim),
         other=0.0,
     )
@@ -452,37 +471,41 @@ def attention_backward_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     q_lo, q_hi = query_tile_range(start_n, q_len, left, right, offset, BLOCK_M, BLOCK_N)
     for h in range(hk * group, (hk + 1) * group):
-        bh = b * q_heads + h
+        row0 = (slot * q_heads + h) * q_rows + q_start  # of the sequence's rows in GradOut
         for start_m in range(q_lo, q_hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             if tile_seen(Kinds, b, h, offs_m, offs_n, q_len, kv_len, lkb, lkh, lkq,
                          HAS_LAYOUT, LAYOUT_Q, LAYOUT_K):  # fmt: skip
                 q = tl.load(
-                    Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                    Q
+                    + slot * sqb
+                    + h * sqh
+                    + (q_start + offs_m[:, None]) * sqm
+                    + offs_d[None, :] * sqd,
                     mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim),
                     other=0.0,
                 )
                 p, dtanh = recompute_probabilities(
-                    q, K_bh, Mask, Stats, b, h, bh, offs_m, offs_n, q_len, kv_len, head_dim,
+                    q, K_bh, Mask, Stats, b, h, row0, offs_m, offs_n, q_len, kv_len, head_dim,
                     scale2, skn, skd, smb, smh, smm, smn, left, right, offset, softcap2,
                     Alibi, q_heads, Kinds, PartialIndex, Partial, lkb, lkh, lkq, MASK_KIND,
                     HAS_BAND, HAS_SOFTCAP, HAS_ALIBI, HAS_LAYOUT, LAYOUT_Q, LAYOUT_K,
                     BLOCK_D, WIDEN_DOT, IEEE,
                 )  # fmt: skip
                 do = tl.load(
-                    GradOut + (bh * q_len + offs_m[:, None]) * value_dim + offs_dv[None, :],
+                    GradOut + (row0 + offs_m[:, None]) * value_dim + offs_dv[None, :],
                     mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < value_dim),
                     other=0.0,
                 )
                 dv += dot_pv(tl.trans(p), do, WIDEN_DOT, IEEE)
                 dp = dot_pv(do.to(tl.float32) if WIDEN_DOT else do, tl.trans(v), WIDEN_DOT,
                             IEEE)  # fmt: skip
-                delta = tl.load(Delta + bh * q_len + offs_m, mask=offs_m < q_len, other=0.0)
+                delta = tl.load(Delta + row0 + offs_m, mask=offs_m < q_len, other=0.0)
                 ds = p * (dp - delta[:, None]) * dtanh
                 dk += dot_pv(tl.trans(ds), q, WIDEN_DOT, IEEE)
     out_mask_k = (offs_n[:, None] < kv_len) & (offs_d[None, :] < head_dim)
     out_mask_v = (offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim)
-    base = bhk * kv_len + offs_n[:, None]
+    base = (slot * kv_heads + hk) * kv_rows + k_start + offs_n[:, None]
     tl.store(DK + base * head_dim + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=out_mask_k)  # fmt: skip
     tl.store(DV + base * value_dim + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=out_mask_v)
@@ -493,38 +516,42 @@ def attention_backward_dq_kernel(
     Q, K, V, Mask, GradOut, Stats, Delta, DQ, DMask,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn,
-    q_heads, group, q_len, kv_len, head_dim, value_dim, scale2, scale,
-    left, right, offset, softcap2, Alibi, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
+    q_heads, group, q_rows, kv_rows, head_dim, value_dim, scale2, scale,
+    Sequences, left, right, softcap2, Alibi, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
     MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_Q: tl.constexpr,
     LAYOUT_K: tl.constexpr, WANT_DMASK: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query tile; with WANT_DMASK also dS into a contiguous (B, Hq, L, S) DMask
-    (zeros where a tile is skipped: its dS is 0)."""
+    """dQ of one query tile of one sequence; with WANT_DMASK (plain calls) also dS into a
+    contiguous (B, Hq, L, S) DMask (zeros where a tile is skipped: its dS is 0)."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
     h = bh % q_heads
     hk = h // group
+    slot, q_start, q_len, k_start, kv_len, offset = sequence(Sequences, b)
     start_m = tile * BLOCK_M
+    if start_m >= q_len:  # past this sequence's end
+        return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < q_len
+    row0 = (slot * q_heads + h) * q_rows + q_start  # of the sequence's rows in GradOut, DQ
     q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+        Q + slot * sqb + h * sqh + (q_start + offs_m[:, None]) * sqm + offs_d[None, :] * sqd,
         mask=row_ok[:, None] & (offs_d[None, :] < head_dim),
         other=0.0,
     )
     do = tl.load(
-        GradOut + (bh * q_len + offs_m[:, None]) * value_dim + offs_dv[None, :],
+        GradOut + (row0 + offs_m[:, None]) * value_dim + offs_dv[None, :],
         mask=row_ok[:, None] & (offs_dv[None, :] < value_dim),
         other=0.0,
     )
-    delta = tl.load(Delta + bh * q_len + offs_m, mask=row_ok, other=0.0)
-    K_bh = K + b * skb + hk * skh
+    delta = tl.load(Delta + row0 + offs_m, mask=row_ok, other=0.0)
+    K_bh = K + slot * skb + hk * skh + k_start * skn
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, _, _, hi = key_tile_range(start_m, q_len, kv_len, left, right, offset, BLOCK_M,
                                   BLOCK_N)  # fmt: skip
@@ -533,14 +560,18 @@ def attention_backward_dq_kernel(
         if tile_seen(Kinds, b, h, offs_m, offs_n, q_len, kv_len, lkb, lkh, lkq,
                      HAS_LAYOUT, LAYOUT_Q, LAYOUT_K):  # fmt: skip
             p, dtanh = recompute_probabilities(
-                q, K_bh, Mask, Stats, b, h, bh, offs_m, offs_n, q_len, kv_len, head_dim,
+                q, K_bh, Mask, Stats, b, h, row0, offs_m, offs_n, q_len, kv_len, head_dim,
                 scale2, skn, skd, smb, smh, smm, smn, left, right, offset, softcap2, Alibi,
                 q_heads, Kinds, PartialIndex, Partial, lkb, lkh, lkq, MASK_KIND, HAS_BAND,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_LAYOUT, LAYOUT_Q, LAYOUT_K, BLOCK_D, WIDEN_DOT,
                 IEEE,
             )  # fmt: skip
             v = tl.load(
-                V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                V
+                + slot * svb
+                + hk * svh
+                + (k_start + offs_n[:, None]) * svn
+                + offs_dv[None, :] * svd,
                 mask=(offs_n[:, None] < kv_len) & (offs_dv[None, :] < value_dim),
                 other=0.0,
             )
@@ -548,7 +579,7 @@ def attention_backward_dq_kernel(
             ds = p * (dp - delta[:, None])
             if WANT_DMASK:  # the float mask is added after the softcap: its gradient is dS
                 tl.store(
-                    DMask + (bh * q_len + offs_m[:, None]) * kv_len + offs_n[None, :],
+                    DMask + (row0 + offs_m[:, None]) * kv_rows + k_start + offs_n[None, :],
                     ds,
                     mask=row_ok[:, None] & (offs_n[None, :] < kv_len),
                 )
@@ -560,10 +591,121 @@ def attention_backward_dq_kernel(
             )
             dq += dot_pv(ds, k, WIDEN_DOT, IEEE)
     tl.store(
-        DQ + (bh * q_len + offs_m[:, None]) * head_dim + offs_d[None, :],
+        DQ + (row0 + offs_m[:, None]) * head_dim + offs_d[None, :],
         (dq * scale).to(DQ.dtype.element_ty),
         mask=row_ok[:, None] & (offs_d[None, :] < head_dim),
     )
+
+
+@_jit
+def kvcache_split_kernel(
+    Q, KPages, VPages, BlockTable, PartialOut, PartialStats,
+    sqb, sqh, sqm, sqd, skp, skn, skh, skd, svp, svn, svh, svd, sbb,
+    batch, q_heads, kv_heads, group, q_len, head_dim, value_dim, page_size, splits, scale2,
+    Sequences, left, right, softcap2, Alibi,
+    HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One split of one (sequence, key/value head) over a paged cache: the rows of every
+    query head of the group together (FlashAttention's "pack GQA": K and V read once per
+    key/value head), row r being head hk * group + r // Lq at position r % Lq. Stores the
+    unnormalised accumulator in PartialOut (splits, B, Hq, Lq, Ev) and each row's base-2
+    max and sum in PartialStats (splits, B, Hq, Lq, 2), contiguous."""
+    split = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // kv_heads
+    hk = bhk % kv_heads
+    _, _, _, k_start, kv_len, offset = sequence(Sequences, b)
+    offs_r = tl.arange(0, BLOCK_M)
+    heads = hk * group + offs_r // q_len
+    positions = offs_r % q_len
+    row_ok = offs_r < group * q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        Q + b * sqb + heads[:, None] * sqh + positions[:, None] * sqm + offs_d[None, :] * sqd,
+        mask=row_ok[:, None] & (offs_d[None, :] < head_dim),
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # BLOCK_M >= Lq: the range of query rows 0 .. Lq - 1.
+    lo, _, _, hi = key_tile_range(0, q_len, kv_len, left, right, offset, BLOCK_M, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, splits), BLOCK_N) * BLOCK_N
+    first = lo + split * chunk
+    end = tl.minimum(first + chunk, hi)
+    for start_n in range(first, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        in_range = offs_n < end
+        cache_rows = k_start + offs_n  # key j is cache row k_start + j
+        page = tl.load(BlockTable + b * sbb + cache_rows // page_size, mask=in_range, other=0)
+        rows_k = page * skp + (cache_rows % page_size) * skn + hk * skh
+        k = tl.load(KPages + rows_k[None, :] + offs_d[:, None] * skd,
+                    mask=in_range[None, :] & (offs_d[:, None] < head_dim), other=0.0)  # fmt: skip
+        if WIDEN_DOT:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32))
+        elif IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s, _ = modify_scores(
+            s * scale2, b, heads[:, None], positions, offs_n, q_len, end, Q, 0, 0, 0, 0, left,
+            right, offset, softcap2, Alibi, q_heads, Q, Q, Q, 0, 0, 0, 0, HAS_BAND,
+            HAS_SOFTCAP, HAS_ALIBI, False, 16, 16, False,
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - shift[:, None])
+        alpha = tl.math.exp2(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        rows_v = page * svp + (cache_rows % page_size) * svn + hk * svh
+        v = tl.load(VPages + rows_v[:, None] + offs_dv[None, :] * svd,
+                    mask=in_range[:, None] & (offs_dv[None, :] < value_dim), other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + dot_pv(p, v, WIDEN_DOT, IEEE)
+        m_i = m_new
+    rows = ((split * batch + b) * q_heads + heads) * q_len + positions
+    tl.store(PartialOut + rows[:, None] * value_dim + offs_dv[None, :], acc,
+             mask=row_ok[:, None] & (offs_dv[None, :] < value_dim))  # fmt: skip
+    tl.store(PartialStats + rows * 2, tl.where(l_i == 0.0, 0.0, m_i), mask=row_ok)
+    tl.store(PartialStats + rows * 2 + 1, l_i, mask=row_ok)
+
+
+@_jit
+def merge_splits_kernel(
+    PartialOut, PartialStats, Out, Stats, rows, splits, value_dim,
+    BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Out (rows, Ev) and Stats (rows, 2) of the splits' partial softmaxes combined exactly:
+    merge_attention's rule in base 2, on unnormalised accumulators."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_r < rows
+    largest = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for split in range(splits):
+        stats = PartialStats + (split * rows + offs_r) * 2
+        part_max = tl.load(stats, mask=row_ok, other=0.0)
+        part_sum = tl.load(stats + 1, mask=row_ok, other=0.0)
+        largest = tl.where(part_sum > 0, tl.maximum(largest, part_max), largest)
+    shift = tl.where(largest == float("-inf"), 0.0, largest)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for split in range(splits):
+        stats = PartialStats + (split * rows + offs_r) * 2
+        part_max = tl.load(stats, mask=row_ok, other=0.0)
+        part_sum = tl.load(stats + 1, mask=row_ok, other=0.0)
+        weight = tl.where(part_sum > 0, tl.math.exp2(part_max - shift), 0.0)
+        total += part_sum * weight
+        part_rows = PartialOut + (split * rows + offs_r[:, None]) * value_dim
+        part_mask = row_ok[:, None] & (offs_dv[None, :] < value_dim)
+        part = tl.load(part_rows + offs_dv[None, :], mask=part_mask, other=0.0)
+        acc += part * weight[:, None]
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(Out + offs_r[:, None] * value_dim + offs_dv[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < value_dim))  # fmt: skip
+    tl.store(Stats + offs_r * 2, shift, mask=row_ok)
+    tl.store(Stats + offs_r * 2 + 1, total, mask=row_ok)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -575,7 +717,7 @@ def _mask_args(inputs: AttentionInputs, like: Tensor) -> tuple[Tensor, tuple[int
     return mask.detach(), mask.stride(), MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT
 
 
-def lower_variant(inputs: AttentionInputs) -> tuple[dict, dict]:
+def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple[dict, dict]:
     """The call's variant as the kernels' runtime arguments and constexprs (see UNBOUNDED)."""
     variant, device = inputs.variant, inputs.device
     left, right = inputs.band or (None, None)
@@ -585,7 +727,7 @@ def lower_variant(inputs: AttentionInputs) -> tuple[dict, dict]:
     args = {
         "left": UNBOUNDED if left is None else min(left, UNBOUNDED),
         "right": UNBOUNDED if right is None else min(right, UNBOUNDED),
-        "offset": inputs.offset,
+        "Sequences": inputs.sequences.table.to(device),
         "softcap2": variant.softcap * LOG2E if variant.softcap is not None else 1.0,
         "Alibi": dummy if slopes is None else (slopes * LOG2E).float().contiguous(),
         "Kinds": dummy, "PartialIndex": dummy, "Partial": dummy, "lkb": 0, "lkh": 0, "lkq": 0,
@@ -635,21 +777,26 @@ def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
     row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
     q, k, v = inputs.query.detach(), inputs.key.detach(), inputs.value.detach()
-    batch, q_heads, q_len, _ = q.shape
+    q_heads, q_len = q.shape[1], q.shape[2]
     out_dtype = _store_dtype(q.dtype)
     out = torch.empty((*q.shape[:3], inputs.value_dim), dtype=out_dtype, device=q.device)
     stats = torch.empty((*q.shape[:3], 2), dtype=torch.float32, device=q.device)
     if not inputs.has_pairs:  # no key is seen
         return out.zero_().to(q.dtype), stats.zero_()
+    if inputs.has_padding:  # no kernel writes a padded batch's padding rows
+        out.zero_(), stats.zero_()
     mask, mask_strides, mask_kind = _mask_args(inputs, q)
     variant_args, variant_flags = lower_variant(inputs)
-    grid = lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), batch * q_heads)  # noqa: E731
+    sequences = inputs.sequences
+    longest = sequences.max_q_len
+    heads = sequences.count * q_heads
+    grid = lambda meta: (triton.cdiv(longest, meta["BLOCK_M"]), heads)  # noqa: E731
     online_softmax_forward_kernel[grid](
         q, k, v, mask, out, stats, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
-        *out.stride(), q_heads, q_heads // inputs.kv_heads, q_len, inputs.kv_len,
-        inputs.head_dim, inputs.value_dim, inputs.scale * LOG2E, _next_power_of_2(q_len),
-        _next_power_of_2(inputs.kv_len), **variant_args, MASK_KIND=mask_kind,
-        **variant_flags, **_kernel_flags(inputs),
+        *out.stride(), q_heads, q_heads // inputs.kv_heads, q_len, inputs.head_dim,
+        inputs.value_dim, inputs.scale * LOG2E, _next_power_of_2(longest),
+        _next_power_of_2(sequences.max_kv_len), math.gcd(*sequences.table[:, 4].tolist()),
+        **variant_args, MASK_KIND=mask_kind, **variant_flags, **_kernel_flags(inputs),
     )  # fmt: skip
     return out.to(q.dtype), stats
 
@@ -690,13 +837,16 @@ def triton_attention_backward(
     variant_args, variant_flags = lower_variant(inputs)
     block, stages = backward_config(inputs, q.device.index)
     common = (*q.stride(), *k.stride(), *v.stride(), *mask_strides)
-    attention_backward_dkdv_kernel[(triton.cdiv(kv_len, block), batch * kv_heads)](
-        q, k, v, mask, grad_out, stats, delta, dk, dv, *common, *dk.stride(), q_heads, kv_heads,
+    sequences = inputs.sequences
+    dkdv_grid = (triton.cdiv(sequences.max_kv_len, block), sequences.count * kv_heads)
+    attention_backward_dkdv_kernel[dkdv_grid](
+        q, k, v, mask, grad_out, stats, delta, dk, dv, *common, q_heads, kv_heads,
         q_heads // kv_heads, q_len, kv_len, inputs.head_dim, inputs.value_dim,
         inputs.scale * LOG2E, inputs.scale, **variant_args, MASK_KIND=mask_kind,
         **variant_flags, BLOCK_M=block, BLOCK_N=block, num_stages=stages, **flags,
     )  # fmt: skip
-    attention_backward_dq_kernel[(triton.cdiv(q_len, block), batch * q_heads)](
+    dq_grid = (triton.cdiv(sequences.max_q_len, block), sequences.count * q_heads)
+    attention_backward_dq_kernel[dq_grid](
         q, k, v, mask, grad_out, stats, delta, dq, dq if dmask is None else dmask, *common,
         q_heads, q_heads // kv_heads, q_len, kv_len, inputs.head_dim, inputs.value_dim,
         inputs.scale * LOG2E, inputs.scale, **variant_args, MASK_KIND=mask_kind,
@@ -704,6 +854,58 @@ def triton_attention_backward(
         num_stages=stages, **flags,
     )  # fmt: skip
     return _finish_grads(inputs, dq, dk, dv, dmask)
+
+
+def kvcache_splits(inputs: KVCacheInputs) -> int:
+    """How many chunks each sequence's keys are split into: as asked, else enough that the
+    (batch, kv head, split) programs fill the GPU's SMs twice over, with at least
+    MIN_SPLIT_KEYS keys each (1 under the interpreter)."""
+    if inputs.num_splits or INTERPRET:
+        return inputs.num_splits or 1
+    items = inputs.batch * inputs.kv_heads
+    sms = torch.cuda.get_device_properties(inputs.device).multi_processor_count
+    if items == 0 or items >= sms:
+        return 1
+    return max(1, min(math.ceil(2 * sms / items), inputs.sequences.max_kv_len // MIN_SPLIT_KEYS))
+
+
+MIN_SPLIT_KEYS = 256
+
+
+def triton_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
+    """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)): split-K over a
+    paged cache (a contiguous one is B pages), merged exactly by a second kernel."""
+    q = inputs.query
+    batch, q_heads, q_len, _ = q.shape
+    shape = (batch, q_heads, q_len)
+    splits = kvcache_splits(inputs)
+    partial_out = torch.empty((splits, *shape, inputs.value_dim), dtype=torch.float32,
+                              device=q.device)  # fmt: skip
+    partial_stats = torch.empty((splits, *shape, 2), dtype=torch.float32, device=q.device)
+    out = torch.zeros((*shape, inputs.value_dim), dtype=_store_dtype(q.dtype), device=q.device)
+    stats = torch.zeros((*shape, 2), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or q_heads == 0:
+        return out.to(q.dtype), stats
+    variant_args, variant_flags = lower_variant(inputs)
+    flags = _kernel_flags(inputs)
+    k_pages, v_pages, table = inputs.k_pages.detach(), inputs.v_pages.detach(), inputs.block_table
+    group = q_heads // inputs.kv_heads
+    kvcache_split_kernel[(splits, batch * inputs.kv_heads)](
+        q.detach(), k_pages, v_pages, table, partial_out, partial_stats, *q.stride(),
+        *k_pages.stride(), *v_pages.stride(), table.stride(0), batch, q_heads, inputs.kv_heads,
+        group, q_len, inputs.head_dim, inputs.value_dim, inputs.page_size, splits,
+        inputs.scale * LOG2E, variant_args["Sequences"], variant_args["left"],
+        variant_args["right"], variant_args["softcap2"], variant_args["Alibi"],
+        HAS_BAND=variant_flags["HAS_BAND"], HAS_SOFTCAP=variant_flags["HAS_SOFTCAP"],
+        HAS_ALIBI=variant_flags["HAS_ALIBI"], BLOCK_M=max(16, _next_power_of_2(group * q_len)),
+        BLOCK_N=16 if INTERPRET else 64, **flags,
+    )  # fmt: skip
+    rows = batch * q_heads * q_len
+    merge_splits_kernel[(triton.cdiv(rows, 16),)](
+        partial_out, partial_stats, out, stats, rows, splits, inputs.value_dim, BLOCK_R=16,
+        BLOCK_DV=flags["BLOCK_DV"],
+    )  # fmt: skip
+    return out.to(q.dtype), stats
 
 
 def _finish_grads(inputs, dq, dk, dv, dmask):
@@ -719,11 +921,12 @@ class TritonBackend(FusedBackend):
         devices=("cuda", "cpu") if INTERPRET else ("cuda",),
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         max_head_dim=MAX_HEAD_DIM,
-        features=frozenset(FEATURES) - {"dropout"},
+        features=frozenset(FEATURES) - {"dropout", "kvcache_backward"},
     )
 
     forward = staticmethod(triton_attention_forward)
     backward = staticmethod(triton_attention_backward)
+    kvcache_forward = staticmethod(triton_kvcache_forward)
 
     def unavailable_reason(self) -> str | None:
         if _MISSING:

@@ -18,11 +18,11 @@ BACKENDS = [
 
 
 def llama():
-    config = transformers.LlamaConfig(
+    """Grouped-query attention, 8 query heads over 2 key/value heads."""
+    return transformers.LlamaConfig(
         vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
     )  # fmt: skip
-    return config
 
 
 def mistral():
@@ -128,16 +128,22 @@ def test_sliding_layers_build_no_mask_without_padding(monkeypatch):
 
 
 def test_the_registered_function_really_runs(monkeypatch):
-    """Guards the tests above against a silent fall back to transformers' own SDPA."""
+    """Guards the tests above against a silent fall back to transformers' own SDPA; and
+    shows the paths: a left-padded prompt reaches the kernels as each sequence's rows of real
+    tokens (no L x S mask), every single-token step as a KV-cache call."""
     import attnperf.integrations.transformers as integration
 
     calls = []
-    original = integration.attention
-    monkeypatch.setattr(
-        integration, "attention", lambda *a, **k: calls.append(k["backend"]) or original(*a, **k)
-    )
-    name = register("attnperf-probe", backend="reference")
+    for name in ("attention", "attention_with_kvcache", "padded_batch"):
+        original = getattr(integration, name)
+        spy = lambda *a, _name=name, _original=original, **k: (  # noqa: E731
+            calls.append(_name) or _original(*a, **k)
+        )
+        monkeypatch.setattr(integration, name, spy)
+    name = register("attnperf-probe", backend="numba")
     ids, mask = left_padded_batch()
     with torch.no_grad():
-        build(llama(), name)(input_ids=ids, attention_mask=mask)
-    assert calls == ["reference", "reference"]  # one call per layer
+        model = build(llama(), name)
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    layers = model.config.num_hidden_layers
+    assert calls == ["padded_batch"] * layers + ["attention_with_kvcache"] * 2 * layers

@@ -13,7 +13,10 @@ import functools
 import torch
 from torch import Tensor
 
-from attnperf.api import attention
+from attnperf import dispatch
+from attnperf.api import attention, attention_with_kvcache
+from attnperf.inputs import prepare
+from attnperf.serving import padded_batch
 
 
 def attention_forward(
@@ -29,31 +32,115 @@ def attention_forward(
     backend: str = "auto",
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """transformers' attention-function contract, computed by `attnperf.attention`.
+    """transformers' attention-function contract, computed by attnperf.
 
     query (B, Hq, L, E), key/value (B, H, S, E) -> ((B, L, Hq, E), None). The mask is
     transformers' SDPA mask (bool, True takes part), or None where the layer's own pattern
     suffices: causal, or a sliding window (`sliding_window=W`: W keys, the query's own
     included, bottom-right aligned as in cached generation), both in-kernel. `softcap`
     (Gemma 2's attention logit softcapping) is applied in-kernel too.
+
+    A mask that is exactly padding around each sequence's causal (or sliding) pattern is
+    not applied as an L x S mask: the kernels are given each sequence's rows of real tokens
+    (`padding_ranges`), as for packed sequences. Inference steps with a few queries against
+    the cache go through attention_with_kvcache (split-K, the query heads of a group
+    together).
     """
     if kwargs.get("position_bias") is not None:
         raise ValueError("attnperf's transformers attention does not support position_bias")
     sliding_window = kwargs.get("sliding_window")
     q_len = query.shape[2]
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = bool(q_len > 1 and attention_mask is None and is_causal)
+    causal_layer = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(q_len > 1 and attention_mask is None and causal_layer)
     if is_causal and key.shape[2] > q_len:  # a static cache's unused tail, as transformers does
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-    window = None
-    if sliding_window is not None:  # the mask, where there is one, holds it too: no matter
-        window = (sliding_window - 1, 0)
+    # The mask, where there is one, holds the window too: no matter.
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    softcap = kwargs.get("softcap")
+    ranges = None
+    if causal_layer and dropout == 0.0:
+        band = (None if window is None else window[0], 0)
+        ranges = padding_ranges(attention_mask, query.shape[0], q_len, key.shape[2], band)
+    gqa = query.shape[1] != key.shape[1]
+    if ranges is not None:
+        q_starts, q_lens, k_starts, k_lens = ranges
+        every_query = bool((q_starts == 0).all() & (q_lens == q_len).all())
+        every_key = bool((k_starts == 0).all() & (k_lens == key.shape[2]).all())
+        if every_query and q_len <= DECODE_QUERIES and not _wants_grad(query, key, value):
+            device = query.device
+            out = attention_with_kvcache(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                (k_starts + k_lens).int().to(device), cache_leftpad=k_starts.int().to(device),
+                scale=scaling, window=window, softcap=softcap, backend=backend,
+            )  # fmt: skip
+            return out.contiguous(), None
+        if not (every_query and every_key):
+            inputs = prepare(
+                query, key, value, None, dropout, True, scaling, gqa, window=window,
+                softcap=softcap, align="bottom_right",
+            )  # fmt: skip
+            out = dispatch.attend(padded_batch(inputs, *ranges), backend)
+            return out.transpose(1, 2).contiguous(), None
+        attention_mask, is_causal = None, True  # the mask is exactly the causal pattern
     out = attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
-        scale=scaling, enable_gqa=query.shape[1] != key.shape[1], backend=backend,
-        window=window, softcap=kwargs.get("softcap"), align="bottom_right",
+        scale=scaling, enable_gqa=gqa, backend=backend, window=window, softcap=softcap,
+        align="bottom_right",
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
+
+
+# Steps with at most this many queries per sequence (decoding, speculative decoding) read
+# the cache through attention_with_kvcache.
+DECODE_QUERIES = 8
+
+
+def _wants_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def padding_ranges(
+    mask: Tensor | None, batch: int, q_len: int, kv_len: int, band: tuple[int | None, int]
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """(q_starts, q_lens, k_starts, k_lens), int64 CPU (B,), of each sequence's real tokens
+    when `mask` (None, or bool (B, 1, L, S)) is exactly those ranges with the bottom-right
+    `band` (left, right) inside them; else None. None is every row and key.
+
+    transformers builds one mask per forward pass for all layers: the last answer is kept.
+    """
+    if mask is None:
+        full = torch.ones(batch, dtype=torch.int64)
+        return full * 0, full * q_len, full * 0, full * kv_len
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        return None
+    key = (mask, mask._version, band)
+    if _LAST_RANGES[0] is not None and _same_key(_LAST_RANGES[0], key):
+        return _LAST_RANGES[1]
+    pattern = mask[:, 0].expand(batch, q_len, kv_len)
+    rows, keys = pattern.any(2), pattern.any(1)
+    q_starts, q_lens = rows.int().argmax(1), rows.sum(1)
+    k_starts, k_lens = keys.int().argmax(1), keys.sum(1)
+    i = torch.arange(q_len, device=mask.device)[None, :, None] - q_starts[:, None, None]
+    j = torch.arange(kv_len, device=mask.device)[None, None, :] - k_starts[:, None, None]
+    q_n, k_n = q_lens[:, None, None], k_lens[:, None, None]
+    expected = (i >= 0) & (i < q_n) & (j >= 0) & (j < k_n)
+    distance = j - (i + k_n - q_n)  # right of row i's bottom-right diagonal
+    left, right = band
+    expected &= distance <= right
+    if left is not None:
+        expected &= distance >= -left
+    result = None
+    if torch.equal(expected, pattern):
+        result = tuple(t.to("cpu", torch.int64) for t in (q_starts, q_lens, k_starts, k_lens))
+    _LAST_RANGES[:] = [key, result]
+    return result
+
+
+_LAST_RANGES: list = [None, None]
+
+
+def _same_key(old: tuple, new: tuple) -> bool:
+    return old[0] is new[0] and old[1:] == new[1:]
 
 
 def mask_function(*args, local_size: int | None = None, **kwargs) -> Tensor | None:

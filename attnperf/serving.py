@@ -1,0 +1,417 @@
+"""Validation of the serving calls: packed variable-length batches (`attention_varlen`) and
+KV-cache attention (`attention_with_kvcache`), in FlashAttention's layouts.
+
+Both describe their ragged sequences with one `Sequences` table that the kernels walk, so
+that no tile crosses a sequence boundary and no padding is computed.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnperf.inputs import (
+    ALIGNMENTS,
+    SUPPORTED_DTYPES,
+    AttentionInputs,
+    Sequences,
+    Variant,
+    _alibi_slopes,
+    _default_scale,
+    _flag,
+    _real,
+    band,
+    check_softcap,
+    check_window,
+)
+
+
+def _check_tensors(names_and_tensors, dims: int, layout: str) -> None:
+    """Each a dense tensor of `dims` dims, of one supported dtype and device."""
+    first_name, first = names_and_tensors[0]
+    for name, tensor in names_and_tensors:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != dims:
+            raise ValueError(f"{name} must be {layout} ({dims} dims), got shape "
+                             f"{tuple(tensor.shape)}")  # fmt: skip
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be fp16, bf16, fp32 or fp64, got {tensor.dtype}")
+        if tensor.dtype != first.dtype:
+            raise TypeError(f"{name} dtype {tensor.dtype} must match {first_name}'s {first.dtype}")
+        if tensor.device != first.device:
+            raise ValueError(f"{name} is on {tensor.device} but {first_name} is on {first.device}")
+
+
+def _check_heads(q_heads: int, kv_heads: int, what: str) -> None:
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"{what} heads ({kv_heads}) must divide the query heads ({q_heads})")
+
+
+def _cu_seqlens(name: str, cu_seqlens: object, total: int) -> tuple[Tensor, Tensor]:
+    """(starts, lengths) int64 on the CPU of FlashAttention's cumulative lengths."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32 (or int64) tensor, got "
+                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")  # fmt: skip
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(f"{name} must be 1-D (B + 1,), got shape {tuple(cu_seqlens.shape)}")
+    offsets = cu_seqlens.detach().to("cpu", torch.int64)
+    if int(offsets[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
+    lengths = offsets[1:] - offsets[:-1]
+    if bool((lengths < 0).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {offsets.tolist()}")
+    if int(offsets[-1]) != total:
+        raise ValueError(f"{name}'s last entry {int(offsets[-1])} must be the number of packed "
+                         f"rows, {total}")  # fmt: skip
+    return offsets[:-1], lengths
+
+
+def _max_seqlen(name: str, value: object, lengths: Tensor) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    longest = int(lengths.max()) if len(lengths) else 0
+    if value < longest:
+        b = int(lengths.argmax())
+        raise ValueError(f"{name} ({value}) is smaller than sequence {b}'s length {longest}")
+
+
+def prepare_varlen(
+    q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: object,
+    max_seqlen_q: object, max_seqlen_k: object, *, is_causal: object = False,
+    scale: object = None, window: object = None, softcap: object = None,
+    alibi_slopes: object = None, align: object = "bottom_right", return_lse: object = False,
+) -> AttentionInputs:  # fmt: skip
+    """Check an attention_varlen call and describe it as AttentionInputs: query
+    (1, Hq, total_q, E), key/value (1, H, total_k, E) views of the packed tensors, the
+    sequences in variant.sequences. Raises TypeError or ValueError naming the argument."""
+    _check_tensors((("q", q), ("k", k), ("v", v)), 3, "(total, heads, head dim)")
+    total_q, q_heads, head_dim = q.shape
+    total_k, kv_heads, _ = k.shape
+    if k.shape[2] != head_dim:
+        raise ValueError(f"k's head dim {k.shape[2]} must match q's {head_dim}")
+    if tuple(v.shape[:2]) != (total_k, kv_heads):
+        raise ValueError(f"v's (total_k, H) {tuple(v.shape[:2])} must match k's "
+                         f"{(total_k, kv_heads)}")  # fmt: skip
+    _check_heads(q_heads, kv_heads, "k/v")
+    q_starts, q_lens = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q)
+    k_starts, k_lens = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k)
+    if len(q_lens) != len(k_lens):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
+                         f"{len(q_lens)} and {len(k_lens)}")  # fmt: skip
+    _max_seqlen("max_seqlen_q", max_seqlen_q, q_lens)
+    _max_seqlen("max_seqlen_k", max_seqlen_k, k_lens)
+    if align not in ALIGNMENTS:
+        raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+    count = len(q_lens)
+    variant = Variant(
+        window=check_window(window),
+        align=align,
+        softcap=check_softcap(softcap),
+        alibi_slopes=_alibi_slopes(alibi_slopes, q, (count,), q_heads, count),
+        return_lse=_flag("return_lse", return_lse),
+        sequences=Sequences.build(q_starts, q_lens, k_starts, k_lens, align, packed=True),
+    )
+    return AttentionInputs(
+        query=q.transpose(0, 1).unsqueeze(0),
+        key=k.transpose(0, 1).unsqueeze(0),
+        value=v.transpose(0, 1).unsqueeze(0),
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=_flag("is_causal", is_causal),
+        scale=_scale(scale, head_dim),
+        enable_gqa=q_heads != kv_heads,
+        out_shape=(total_q, q_heads, v.shape[2]),
+        variant=variant,
+    )
+
+
+def padded_batch(
+    inputs: AttentionInputs, q_starts: Tensor, q_lens: Tensor, k_starts: Tensor, k_lens: Tensor
+) -> AttentionInputs:
+    """A plain call restricted to the real tokens of a padded batch: entry b's queries are
+    rows q_starts[b] .. + q_lens[b], its keys rows k_starts[b] .. + k_lens[b] (int64 CPU
+    tensors (B,)), aligned within those ranges; the padding's output rows are 0. No kernel
+    then computes a padded row or key."""
+    q_ends, k_ends = q_starts + q_lens, k_starts + k_lens
+    inside = [q_starts >= 0, k_starts >= 0, q_lens >= 0, k_lens >= 0, q_ends <= inputs.q_len,
+              k_ends <= inputs.kv_len]  # fmt: skip
+    if not all(bool(condition.all()) for condition in inside):
+        raise ValueError(f"row ranges out of the call's (L, S) = {(inputs.q_len, inputs.kv_len)}")
+    if inputs.attn_mask is not None or inputs.variant.block_mask is not None:
+        raise ValueError("a padded batch's row ranges replace attn_mask and block_mask")
+    align = inputs.variant.align
+    sequences = Sequences.build(q_starts, q_lens, k_starts, k_lens, align, packed=False)
+    return replace(inputs, variant=replace(inputs.variant, sequences=sequences))
+
+
+def _scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return _default_scale(head_dim)
+    value = _real("scale", scale, "a float or None")
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVCacheInputs:
+    """A validated attention_with_kvcache call.
+
+    query (B, Hq, Lq, E), a view of the caller's (B, Lq, Hq, E). The cache as pages:
+    k_pages (P, page_size, H, E), v_pages (P, page_size, H, Ev), the caller's tensors (a
+    contiguous cache (B, S_max, H, E) is B pages of S_max rows); block_table (B, pages per
+    sequence) int64: sequence b's cache row j is row j % page_size of page block_table[b,
+    j // page_size]. cache_seqlens (B,) int64 on the CPU: rows filled before the append of
+    k_new, v_new (B, Lnew, H, E) (or None). variant.sequences: each sequence's keys after
+    the append (rows k_start .. k_start + k_len, k_start its left padding), bottom-right
+    aligned. num_splits: 0 lets the backend choose.
+    """
+
+    query: Tensor
+    k_pages: Tensor
+    v_pages: Tensor
+    block_table: Tensor
+    cache_seqlens: Tensor
+    k_new: Tensor | None
+    v_new: Tensor | None
+    is_causal: bool
+    scale: float
+    num_splits: int
+    variant: Variant
+
+    attn_mask = None
+    mask_kind = None
+    dropout_p = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    @property
+    def batch(self) -> int:
+        return self.query.shape[0]
+
+    sequence_count = batch
+
+    @property
+    def q_heads(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.shape[3]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_pages.shape[3]
+
+    @property
+    def sequences(self) -> Sequences:
+        return self.variant.sequences
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def band(self) -> tuple[int | None, int | None] | None:
+        return band(self.is_causal, self.variant.window)
+
+    @property
+    def needs_grad(self) -> bool:
+        tensors = (self.query, self.k_pages, self.v_pages, self.k_new, self.v_new)
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+    def features(self) -> set[str]:
+        variant = self.variant
+        shifted = bool((variant.sequences.table[:, 5] != 0).any())
+        wanted = {
+            "kvcache": True,
+            "causal": self.is_causal,
+            "window": variant.window is not None,
+            "bottom_right": shifted and (self.band is not None or variant.alibi_slopes is not None),
+            "softcap": variant.softcap is not None,
+            "alibi": variant.alibi_slopes is not None,
+            "lse": variant.return_lse,
+            "gqa": self.q_heads != self.kv_heads,
+            "kvcache_backward": self.needs_grad,
+        }
+        return {name for name, needed in wanted.items() if needed}
+
+    def restore(self, out: Tensor, lse: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+        """(B, Hq, Lq, Ev) -> the caller's (B, Lq, Hq, Ev); the LSE stays (B, Hq, Lq)."""
+        out = out.transpose(1, 2)
+        return (out, lse) if self.variant.return_lse else out
+
+
+def prepare_kvcache(
+    q: object, k_cache: object, v_cache: object, cache_seqlens: object, k_new: object = None,
+    v_new: object = None, *, block_table: object = None, cache_leftpad: object = None,
+    is_causal: object = True,
+    scale: object = None, window: object = None, softcap: object = None,
+    alibi_slopes: object = None, num_splits: object = 0, return_lse: object = False,
+) -> KVCacheInputs:  # fmt: skip
+    """Check an attention_with_kvcache call, writing nothing. Raises TypeError or ValueError
+    naming the argument."""
+    _check_tensors((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4,
+                   "(B, L, heads, head dim)")  # fmt: skip
+    batch, q_len, q_heads, head_dim = q.shape
+    pages, page_size, kv_heads, _ = k_cache.shape
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache's head dim {k_cache.shape[3]} must match q's {head_dim}")
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise ValueError(f"v_cache's first 3 dims {tuple(v_cache.shape[:3])} must match "
+                         f"k_cache's {tuple(k_cache.shape[:3])}")  # fmt: skip
+    _check_heads(q_heads, kv_heads, "k_cache/v_cache")
+    table = _block_table(block_table, batch, pages, page_size, q.device)
+    capacity = table.shape[1] * page_size
+    seqlens = _cache_seqlens("cache_seqlens", cache_seqlens, batch)
+    leftpad = torch.zeros_like(seqlens)
+    if cache_leftpad is not None:
+        leftpad = _cache_seqlens("cache_leftpad", cache_leftpad, batch)
+        if bool((leftpad > seqlens).any()):
+            raise ValueError(f"cache_leftpad {leftpad.tolist()} must not exceed cache_seqlens "
+                             f"{seqlens.tolist()}")  # fmt: skip
+    new_len = _new_keys(k_new, v_new, k_cache, v_cache, batch)
+    lengths = seqlens + new_len
+    if len(lengths) and int(lengths.max()) > capacity:
+        b = int(lengths.argmax())
+        where = (f"{table.shape[1]} pages of {page_size} in block_table" if block_table is not None
+                 else f"S_max = {capacity}")  # fmt: skip
+        raise ValueError(f"cache_seqlens[{b}] + k_new's length = {int(seqlens[b])} + {new_len} "
+                         f"keys exceed the cache's capacity ({where})")  # fmt: skip
+    if block_table is not None:
+        _check_pages(table, lengths, page_size, pages)
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int >= 0, got {type(num_splits).__name__}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: chosen per call), got {num_splits}")
+    zeros, q_lens = torch.zeros_like(seqlens), torch.full_like(seqlens, q_len)
+    variant = Variant(
+        window=check_window(window),
+        align="bottom_right",
+        softcap=check_softcap(softcap),
+        alibi_slopes=_alibi_slopes(alibi_slopes, q, (batch,), q_heads, batch),
+        return_lse=_flag("return_lse", return_lse),
+        sequences=Sequences.build(
+            zeros, q_lens, leftpad, lengths - leftpad, "bottom_right", packed=False
+        ),
+    )
+    return KVCacheInputs(
+        query=q.transpose(1, 2),
+        k_pages=k_cache,
+        v_pages=v_cache,
+        block_table=table,
+        cache_seqlens=seqlens,
+        k_new=k_new,
+        v_new=v_new,
+        is_causal=_flag("is_causal", is_causal),
+        scale=_scale(scale, head_dim),
+        num_splits=int(num_splits),
+        variant=variant,
+    )
+
+
+def _block_table(table: object, batch: int, pages: int, page_size: int, device) -> Tensor:
+    """The block table as int64 on the cache's device; a contiguous cache's own (b -> page b)."""
+    if table is None:
+        if pages != batch:
+            raise ValueError(f"k_cache has {pages} sequences (dim 0) but q has {batch}; pass "
+                             "block_table for a paged cache")  # fmt: skip
+        return torch.arange(batch, device=device).unsqueeze(1)
+    if not isinstance(table, Tensor) or table.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_table must be an int32 tensor, got "
+                        f"{getattr(table, 'dtype', type(table).__name__)}")  # fmt: skip
+    if table.dim() != 2 or table.shape[0] != batch:
+        raise ValueError(f"block_table must be (B, max_pages) with B = {batch}, got shape "
+                         f"{tuple(table.shape)}")  # fmt: skip
+    if table.device != device:
+        raise ValueError(f"block_table is on {table.device} but q is on {device}")
+    if page_size % 16:
+        raise ValueError(f"a paged cache's page size (k_cache dim 1) must be a multiple of 16, "
+                         f"got {page_size}")  # fmt: skip
+    return table.long()
+
+
+def _check_pages(table: Tensor, lengths: Tensor, page_size: int, pages: int) -> None:
+    """Every page a sequence uses names a page of the cache."""
+    used = torch.arange(table.shape[1]) * page_size < lengths[:, None]
+    entries = table.cpu()
+    bad = used & ((entries < 0) | (entries >= pages))
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {i}] = {int(entries[b, i])} is not a page of the "
+                         f"cache (0 .. {pages - 1})")  # fmt: skip
+
+
+def _cache_seqlens(name: str, value: object, batch: int) -> Tensor:
+    """cache_seqlens (or cache_leftpad) as (B,) int64 on the CPU."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        lengths = torch.full((batch,), int(value), dtype=torch.int64)
+    elif isinstance(value, Tensor) and value.dtype in (torch.int32, torch.int64):
+        if tuple(value.shape) != (batch,):
+            raise ValueError(f"{name} must be an int or of shape (B,) = ({batch},), got "
+                             f"{tuple(value.shape)}")  # fmt: skip
+        lengths = value.detach().to("cpu", torch.int64)
+    else:
+        raise TypeError(f"{name} must be an int or an int32 tensor, got "
+                        f"{getattr(value, 'dtype', type(value).__name__)}")  # fmt: skip
+    if bool((lengths < 0).any()):
+        raise ValueError(f"{name} must be >= 0, got {lengths.tolist()}")
+    return lengths
+
+
+def _new_keys(k_new: object, v_new: object, k_cache: Tensor, v_cache: Tensor, batch: int) -> int:
+    """The number of new keys per sequence (0 without)."""
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if k_new is None:
+        return 0
+    _check_tensors((("k_cache", k_cache), ("k_new", k_new), ("v_new", v_new)), 4,
+                   "(B, Lnew, H, head dim)")  # fmt: skip
+    for name, new, cache in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
+        expected = (batch, k_new.shape[1], *cache.shape[2:])
+        if tuple(new.shape) != expected:
+            raise ValueError(f"{name} must have shape (B, Lnew, H, dim) = {expected}, got "
+                             f"{tuple(new.shape)}")  # fmt: skip
+    return k_new.shape[1]
+
+
+def append_to_cache(inputs: KVCacheInputs) -> None:
+    """Write k_new, v_new into the caller's cache at cache_seqlens, in place."""
+    if inputs.k_new is None or inputs.k_new.shape[1] == 0:
+        return
+    positions = inputs.cache_seqlens[:, None] + torch.arange(inputs.k_new.shape[1])
+    positions = positions.to(inputs.device)
+    pages = inputs.block_table.gather(1, positions // inputs.page_size)
+    rows = positions % inputs.page_size
+    with torch.no_grad():
+        inputs.k_pages[pages, rows] = inputs.k_new
+        inputs.v_pages[pages, rows] = inputs.v_new
+
+
+def cached_keys(inputs: KVCacheInputs, b: int) -> tuple[Tensor, Tensor]:
+    """Sequence b's keys and values gathered from the pages: (H, S_b, E), (H, S_b, Ev)."""
+    start, length = inputs.variant.sequences.table[b, 3:5].tolist()
+    positions = torch.arange(start, start + length, device=inputs.device)
+    pages = inputs.block_table[b, positions // inputs.page_size]
+    rows = positions % inputs.page_size
+    return inputs.k_pages[pages, rows].transpose(0, 1), inputs.v_pages[pages, rows].transpose(0, 1)

@@ -1,0 +1,260 @@
+"""attention_with_kvcache on every backend that declares it, against attention over each
+sequence's cached keys (float64 and same precision): contiguous and paged caches, split-K,
+GQA packing, in-place append, and bad inputs that must leave the cache untouched."""
+
+import re
+
+import pytest
+import torch
+from cases import device_for
+
+import attnperf
+from attnperf import dispatch
+from attnperf.backend import DTYPE_NAMES, FEATURES
+from attnperf.kernels import numba_cpu
+from attnperf.serving import prepare_kvcache
+from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
+
+HEADS, KV_HEADS, HEAD_DIM, S_MAX, PAGE = 8, 2, 16, 96, 16
+# Keys already cached per sequence: empty, short, across several pages and tiles, near full.
+CACHED = (0, 5, 41, 90)
+
+# Distinct paths: one query per step (decode), speculative decoding (Lq = 3, appends 3), left
+# padding (keys start mid-page; one sequence all padding but its new key), a sliding window
+# with softcap and ALiBi (the band cuts the split ranges).
+PRESETS = {
+    "decode": {"q_len": 1, "new": 1},
+    "speculative": {"q_len": 3, "new": 3},
+    "left_padded": {"q_len": 1, "new": 1, "cache_leftpad": torch.tensor((0, 5, 10, 33)).int()},
+    "window_softcap_alibi": {
+        "q_len": 2, "new": 2, "window": (9, 0), "softcap": 3.0,
+        "alibi_slopes": torch.rand(HEADS, generator=torch.Generator().manual_seed(5)),
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """numba's key tiles of 16: the splits and pages hold several."""
+    monkeypatch.setattr(numba_cpu, "BLOCK_N", 16)
+
+
+def cache_call(dtype, device="cpu", q_len=1, new=1, cached=CACHED, seed=0, **variant) -> dict:
+    """A contiguous-cache call (B, S_max, H, E) with `new` keys to append."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(cached)
+
+    def tensor(*shape):
+        return (torch.randn(*shape, generator=gen) * 2).to(device, dtype)
+
+    call = {
+        "q": tensor(batch, q_len, HEADS, HEAD_DIM),
+        "k_cache": tensor(batch, S_MAX, KV_HEADS, HEAD_DIM),
+        "v_cache": tensor(batch, S_MAX, KV_HEADS, HEAD_DIM),
+        "cache_seqlens": torch.tensor(cached, dtype=torch.int32, device=device),
+        "k_new": tensor(batch, new, KV_HEADS, HEAD_DIM) if new else None,
+        "v_new": tensor(batch, new, KV_HEADS, HEAD_DIM) if new else None,
+    }
+    return call | {n: v.to(device) if torch.is_tensor(v) else v for n, v in variant.items()}
+
+
+def paged(call: dict, seed: int = 1) -> dict:
+    """The same cache as pages of PAGE rows, shuffled, with spare pages in the pool."""
+    batch = call["k_cache"].shape[0]
+    per_sequence = S_MAX // PAGE
+    order = torch.randperm(batch * per_sequence + 3, generator=torch.Generator().manual_seed(seed))
+    table = order[: batch * per_sequence].view(batch, per_sequence)
+    result = dict(call, block_table=table.int().to(call["q"].device))
+    for name in ("k_cache", "v_cache"):
+        cache = call[name]
+        pool = torch.zeros(
+            len(order), PAGE, *cache.shape[2:], dtype=cache.dtype, device=cache.device
+        )
+        pool[table.flatten()] = cache.reshape(batch * per_sequence, PAGE, *cache.shape[2:])
+        result[name] = pool
+    return result
+
+
+def expected(fn, call: dict) -> tuple:
+    """(out (B, Lq, Hq, E), lse (B, Hq, Lq)) of `fn`, an SDPA-style reference, over each
+    sequence's cached and new keys, bottom-right aligned."""
+    outs, lses = [], []
+    slopes = call.get("alibi_slopes")
+    leftpad = call.get("cache_leftpad", torch.zeros(len(CACHED), dtype=torch.int32)).tolist()
+    for b, cached in enumerate(call["cache_seqlens"].tolist()):
+        keys = [call["k_cache"][b, leftpad[b] : cached], call["v_cache"][b, leftpad[b] : cached]]
+        if call["k_new"] is not None:
+            keys = [torch.cat((keys[0], call["k_new"][b])), torch.cat((keys[1], call["v_new"][b]))]
+        k, v = (t.transpose(0, 1)[None] for t in keys)
+        variant = {n: call[n] for n in ("window", "softcap") if n in call}
+        out, lse = fn(
+            call["q"][b : b + 1].transpose(1, 2), k, v, is_causal=call.get("is_causal", True),
+            enable_gqa=True, align="bottom_right", return_lse=True,
+            alibi_slopes=None if slopes is None else slopes, **variant,
+        )  # fmt: skip
+        outs.append(out.transpose(1, 2))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def run(backend, call: dict, **options):
+    """attention_with_kvcache on copies of the cache: (out, lse, the updated caches)."""
+    call = dict(call, k_cache=call["k_cache"].clone(), v_cache=call["v_cache"].clone())
+    with_lse = "lse" in backend.capabilities.features
+    result = attnperf.attention_with_kvcache(**call, backend=backend.name, return_lse=with_lse,
+                                             **options)  # fmt: skip
+    out, lse = result if with_lse else (result, None)
+    return out, lse, call["k_cache"], call["v_cache"]
+
+
+def kvcache_params(dtypes):
+    params = []
+    for backend in dispatch.registry().values():
+        if backend.unavailable_reason():
+            reason = backend.unavailable_reason()
+            params.append(pytest.param(backend, None, None, marks=pytest.mark.skip(reason=reason),
+                                       id=backend.name))  # fmt: skip
+            continue
+        for preset, variant in PRESETS.items():
+            for dtype in dtypes:
+                inputs = prepare_kvcache(**cache_call(dtype, device_for(backend), **variant))
+                if not backend.capability_reasons(inputs):
+                    name = f"{backend.name}-{preset}-{DTYPE_NAMES[dtype]}"
+                    params.append(pytest.param(backend, preset, dtype, id=name))
+    return params
+
+
+@pytest.mark.parametrize("backend, preset, dtype", kvcache_params((torch.float32, torch.bfloat16)))
+def test_kvcache_equals_attention_over_the_cached_keys(backend, preset, dtype):
+    """Contiguous and paged caches, each agreeing with the reference, and with each other."""
+    call = cache_call(dtype, device_for(backend), **PRESETS[preset])
+    exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
+    results = {"contiguous": run(backend, call), "paged": run(backend, paged(call))}
+    for layout, (out, lse, _, _) in results.items():
+        assert out.shape == call["q"].shape and out.dtype == dtype, layout
+        assert_agrees(out, exact[0], baseline[0], what=f"{layout} output")
+        if lse is not None:
+            assert lse.shape == (len(CACHED), HEADS, call["q"].shape[1])
+            assert_agrees(lse, exact[1], baseline[1], what=f"{layout} lse")
+    torch.testing.assert_close(results["paged"][0], results["contiguous"][0])
+
+
+@pytest.mark.parametrize(
+    "backend", [b for b in dispatch.registry().values() if b.name in ("numba", "triton")],
+    ids=lambda b: b.name,
+)  # fmt: skip
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 0])
+def test_split_k_results_agree_whatever_the_number_of_splits(backend, num_splits):
+    """1 (off), 2, more splits than some sequences have key tiles, 0 (chosen): merged by
+    their LSEs, the same result as one pass."""
+    if backend.unavailable_reason():
+        pytest.skip(backend.unavailable_reason())
+    contiguous = cache_call(torch.float32, device_for(backend), q_len=2, new=2)
+    call = paged(contiguous)
+    out, lse, _, _ = run(backend, call, num_splits=num_splits)
+    single, _, _, _ = run(backend, call, num_splits=1)
+    exact = expected(float64_reference, contiguous)
+    baseline = expected(same_precision_reference, contiguous)
+    assert_agrees(out, exact[0], baseline[0])
+    assert_agrees(lse, exact[1], baseline[1], what="lse")
+    torch.testing.assert_close(out, single, rtol=1e-5, atol=1e-6)
+
+
+def test_split_k_splits_when_the_threads_would_idle():
+    """B x H below the thread count: split (never below MIN_SPLIT_KEYS keys a split); at or
+    above it: one pass."""
+    q, cache = torch.zeros(1, 1, HEADS, HEAD_DIM), torch.zeros(1, 4096, KV_HEADS, HEAD_DIM)
+    few = prepare_kvcache(q, cache, cache, 4096)  # 1 x 2 items
+    assert numba_cpu.kvcache_splits(few, threads=8) == 4
+    assert numba_cpu.kvcache_splits(few, threads=3) == 3  # 6 items: two rounds of 3
+    assert numba_cpu.kvcache_splits(few, threads=2) == 1
+    short = prepare_kvcache(q, cache, cache, numba_cpu.MIN_SPLIT_KEYS * 2)
+    assert numba_cpu.kvcache_splits(short, threads=8) == 2
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_append_writes_exactly_the_new_rows_in_place(layout):
+    call = cache_call(torch.float32, q_len=2, new=2)
+    call = paged(call) if layout == "paged" else call
+    before = call["k_cache"].clone(), call["v_cache"].clone()
+    caches = call["k_cache"], call["v_cache"]
+    attnperf.attention_with_kvcache(**call)
+    assert call["k_cache"] is caches[0] and call["v_cache"] is caches[1]
+    for cache, old, new in zip(caches, before, (call["k_new"], call["v_new"]), strict=True):
+        wanted = old.clone()
+        for b, cached in enumerate(CACHED):
+            for t in range(new.shape[1]):
+                position = cached + t
+                if layout == "paged":
+                    page = call["block_table"][b, position // PAGE]
+                    wanted[page, position % PAGE] = new[b, t]
+                else:
+                    wanted[b, position] = new[b, t]
+        assert torch.equal(cache, wanted)
+
+
+def test_an_int_cache_seqlens_serves_every_sequence():
+    call = cache_call(torch.float32, cached=(12, 12), new=1)
+    out = attnperf.attention_with_kvcache(**dict(call, cache_seqlens=12), backend="numba")
+    torch.testing.assert_close(out, attnperf.attention_with_kvcache(**call, backend="reference"))
+
+
+@pytest.mark.parametrize(
+    "backend", [b for b in dispatch.registry().values() if b.unavailable_reason() is None],
+    ids=lambda b: b.name,
+)  # fmt: skip
+def test_gradients_are_refused_with_a_reason_and_nothing_is_written(backend):
+    """Inference only: every backend's declarations say so."""
+    assert "kvcache_backward" not in backend.capabilities.features
+    call = cache_call(torch.float32, device_for(backend))
+    call["q"].requires_grad_()
+    before = call["k_cache"].clone()
+    with pytest.raises(
+        attnperf.BackendNotSupportedError, match=re.escape(FEATURES["kvcache_backward"])
+    ):
+        attnperf.attention_with_kvcache(**call, backend=backend.name)
+    assert torch.equal(call["k_cache"], before)
+
+
+def _table(c, value):
+    return dict(block_table=torch.full_like(c["block_table"], value))
+
+
+BAD_CALLS = [
+    ("beyond S_max", lambda c: dict(cache_seqlens=S_MAX), ValueError, "exceed the cache's"),
+    ("beyond the pages", lambda c: dict(block_table=c["block_table"][:, :5]), ValueError,
+     r"exceed the cache's capacity \(5 pages of 16"),
+    ("page out of range", lambda c: _table(c, 99), ValueError, r"block_table\[0, 0\] = 99"),
+    ("negative page", lambda c: _table(c, -1), ValueError, "is not a page of the cache"),
+    ("float block_table", lambda c: dict(block_table=c["block_table"].float()), TypeError,
+     "block_table must be an int32"),
+    ("block_table batch", lambda c: dict(block_table=c["block_table"][:2]), ValueError,
+     r"block_table must be \(B, max_pages\)"),
+    ("k_new alone", lambda c: dict(v_new=None), ValueError, "k_new and v_new must be given"),
+    ("k_new heads", lambda c: dict(k_new=c["k_new"][:, :, :1]), ValueError, "k_new must have"),
+    ("k_new dtype", lambda c: dict(k_new=c["k_new"].double()), TypeError, "k_new dtype"),
+    ("cache heads", lambda c: dict(q=c["q"][:, :, :3]), ValueError, "must divide the query heads"),
+    ("v_cache shape", lambda c: dict(v_cache=c["v_cache"][:, :, :1]), ValueError, "v_cache's"),
+    ("head dim", lambda c: dict(q=c["q"][..., :8]), ValueError, "head dim"),
+    ("negative seqlens", lambda c: dict(cache_seqlens=-1), ValueError, "cache_seqlens must be >="),
+    ("float seqlens", lambda c: dict(cache_seqlens=1.0), TypeError, "cache_seqlens must be an int"),
+    ("seqlens shape", lambda c: dict(cache_seqlens=c["cache_seqlens"][:2]), ValueError,
+     r"cache_seqlens must be an int or of shape \(B,\)"),
+    ("num_splits", lambda c: dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
+    ("leftpad", lambda c: dict(cache_leftpad=c["cache_seqlens"] + 1), ValueError,
+     "cache_leftpad .* must not exceed"),
+    ("softcap", lambda c: dict(softcap=0.0), ValueError, "softcap must be"),
+    ("q dims", lambda c: dict(q=c["q"][0]), ValueError, "q must be"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, change, error, match", BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+def test_bad_input_is_refused_naming_the_argument_and_the_cache_is_unchanged(
+    what, change, error, match
+):
+    call = paged(cache_call(torch.float32, new=2))
+    call |= change(call)
+    before = call["k_cache"].clone(), call["v_cache"].clone()
+    with pytest.raises(error, match=match):
+        attnperf.attention_with_kvcache(**call)
+    assert torch.equal(call["k_cache"], before[0]) and torch.equal(call["v_cache"], before[1])
