@@ -166,6 +166,75 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     return 0
 
 
+def bench_serving(args: argparse.Namespace) -> int:
+    """--decode and --varlen: the serving sweeps, printed and written to serving.json."""
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from attnperf import bench_serving
+    from attnperf.machine import cpu_description
+
+    defaults = bench_serving.ServingConfig()
+    config = bench_serving.ServingConfig(
+        decode_lengths=tuple(args.lengths or defaults.decode_lengths),
+        batches=tuple(args.decode_batches or defaults.batches),
+        heads=args.heads,
+        head_dim=args.head_dim,
+        rounds=args.rounds or defaults.rounds,
+        threads=args.threads or torch.get_num_threads(),
+    )
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    cpu = cpu_description()
+    where = f"{config.threads} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}), fp32"
+
+    def show(title, header, rows):
+        table = Table(title=title)
+        for column in header:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+
+    def progress(text):
+        console.print(text, style="dim", highlight=False)
+
+    report = {"config": vars(config) | {"machine": cpu}}
+    if args.decode:
+        result = bench_serving.decode_sweep(config, progress)
+        report["decode"] = result
+        heads = (f"Hq={bench_serving.DECODE_HEADS}, H={bench_serving.DECODE_KV_HEADS}, "
+                 f"E={bench_serving.DECODE_HEAD_DIM}")  # fmt: skip
+        show(f"decode, one query token: {heads}; {where}; copy bandwidth "
+             f"{result['bandwidth_gbps']:.1f} GB/s (read + write, same run)",
+             ["B", "cache S", "sdpa ms", "numba ms", "numba/sdpa speed", "numba GB/s (K+V read)",
+              "of copy bandwidth"],
+             [(str(r["batch"]), str(r["length"]), f"{r['sdpa_s'] * 1e3:.2f}",
+               f"{r['numba_s'] * 1e3:.2f}", f"{r['speedup']:.2f}x", f"{r['numba_gbps']:.1f}",
+               f"{r['bandwidth_share']:.0%}") for r in result["decode"]])  # fmt: skip
+        show(f"split-K, numba, B=1, Hq={bench_serving.DECODE_HEADS // 4}, "
+             f"H={bench_serving.SPLIT_KV_HEADS} (B x H below the threads); {where}",
+             ["cache S", "one pass ms", "split-K ms", "gain"],
+             [(str(r["length"]), f"{r['one_pass_s'] * 1e3:.2f}", f"{r['split_s'] * 1e3:.2f}",
+               f"{r['gain']:.2f}x") for r in result["split_k"]])  # fmt: skip
+    if args.varlen:
+        result = bench_serving.varlen_sweep(config, progress)
+        report["varlen"] = result
+        ratio = result["padded_squares"] / result["sum_squares"]
+        show(f"varlen, causal, {config.sequences} sequences of {result['lengths']} tokens, "
+             f"H={config.heads}, E={config.head_dim}; {where}; B x max(L)^2 / sum(L^2) = "
+             f"{ratio:.2f}",
+             ["pass", "call", "median ms", "time / numba packed"],
+             [(r["pass"], r["call"], f"{r['median_s'] * 1e3:.1f}", f"{r['vs_packed']:.2f}x")
+              for r in result["rows"]])  # fmt: skip
+    path = Path(args.out) / "serving.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    console.print(f"report: {path}", highlight=False)
+    return 0
+
+
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1, with a one-line message otherwise."""
     try:
@@ -249,6 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="time and memory vs sequence length, every backend against sdpa"
     )
     b.add_argument("--quick", action="store_true", help="L in 256..1024, 7 rounds (for CI)")
+    b.add_argument("--decode", action="store_true",
+                   help="KV-cache decoding, one query token, Llama-3-8B heads: numba vs sdpa "
+                        "per cache length (--lengths, default 1k..64k), split-K on/off, "
+                        "against the copy bandwidth measured in the same run")  # fmt: skip
+    b.add_argument("--decode-batches", type=positive_int, nargs="+",
+                   help="--decode's batch sizes (default 1 4)")  # fmt: skip
+    b.add_argument("--varlen", action="store_true",
+                   help="a packed causal batch of 8 sequences of 128..4096 tokens: numba "
+                        "varlen vs sdpa and numba on the padded batch")  # fmt: skip
     b.add_argument("--lengths", type=positive_int, nargs="+",
                    help="L = S values (default 256..2048)")  # fmt: skip
     b.add_argument("--batch", type=positive_int, default=1)
@@ -309,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--kv-heads must divide --heads ({args.heads}), got {args.kv_heads}")
         baseline = load_baseline(parser, args.baseline) if args.baseline else None
         check_output_folder(parser, args.out)
+        if args.decode or args.varlen:
+            return bench_serving(args)
         return bench(args, baseline)
     return smoke(args.device)
 

@@ -33,6 +33,11 @@ class SelfAttention(nn.Module):
     left before and right after it (a sliding window of W keys: (W - 1, 0) with causal);
     `softcap=c` caps the scores at c (Gemma 2: 50); `alibi=True` adds ALiBi's linear biases
     with the standard slopes (`alibi_slopes(num_heads)`) in place of position embeddings.
+
+    Context parallelism: with `context_parallel` (True for torch.distributed's default group,
+    or a process group), x is this rank's shard of the sequence in `context_layout`
+    (`attnperf.distributed.shard_sequence(x, 1)`) and steps 2 to 4 are exact ring attention
+    across the group (no masks, dropout or ALiBi then).
     """
 
     def __init__(
@@ -48,6 +53,8 @@ class SelfAttention(nn.Module):
         window: tuple[int | None, int | None] | None = None,
         softcap: float | None = None,
         alibi: bool = False,
+        context_parallel: object = None,
+        context_layout: str = "zigzag",
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -72,6 +79,9 @@ class SelfAttention(nn.Module):
         # Not in the state_dict: the slopes follow from num_heads, they are not learned.
         slopes = torch.tensor(alibi_slopes(self.num_heads)) if alibi else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
+        if context_parallel not in (None, False) and (alibi or dropout):
+            raise ValueError("context_parallel runs ring attention: no alibi or dropout with it")
+        self.context_parallel, self.context_layout = context_parallel, context_layout
         self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * self.head_dim, bias=bias)
@@ -103,6 +113,9 @@ class SelfAttention(nn.Module):
         q = heads(self.q_proj(x), self.num_heads)
         k = heads(self.k_proj(x), self.num_kv_heads)
         v = heads(self.v_proj(x), self.num_kv_heads)
+        if self.context_parallel not in (None, False):
+            return self.out_proj(self._ring(q, k, v, attn_mask, key_padding_mask).reshape(
+                batch, seq, -1))  # fmt: skip
         mask = self._mask(attn_mask, key_padding_mask, batch, seq, q.dtype, x.device)
         # With a mask or a window, causality is the band's right side 0 (in-kernel; SDPA's
         # is_causal takes no mask); alone, SDPA's is_causal (torch.compile traces it).
@@ -116,6 +129,19 @@ class SelfAttention(nn.Module):
             alibi_slopes=self.alibi_slopes,
         )  # fmt: skip
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _ring(self, q, k, v, attn_mask, key_padding_mask) -> Tensor:
+        """Ring attention of this rank's shard: (batch, seq_local, heads, head_dim)."""
+        from attnperf.distributed import ring_attention
+
+        if attn_mask is not None or key_padding_mask is not None:
+            raise ValueError("context_parallel runs ring attention: no attn_mask or padding")
+        group = None if self.context_parallel is True else self.context_parallel
+        out = ring_attention(
+            q, k, v, group=group, is_causal=self.causal, window=self.window,
+            softcap=self.softcap, layout=self.context_layout, backend=self.backend,
+        )  # fmt: skip
+        return out.transpose(1, 2)
 
     def _mask(self, attn_mask, key_padding_mask, batch, seq, dtype, device):
         """attn_mask and key_padding_mask as one SDPA mask, or None."""

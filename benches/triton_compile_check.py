@@ -10,8 +10,10 @@ tensors with a compile-only driver, every kernel launch (and every autotune conf
 pruning keeps) compiled instead of launched. It prints each kernel's shared memory against
 the target's per-block limit and exits 1 if a kernel fails to compile or would not fit.
 Covered: fp16, bf16 and fp32 at head dims 64, 128 and 256 (forward configs and backward
-kernels), then masks, causal and ragged lengths at head dim 64, and the variants (window,
-bottom-right, softcap, ALiBi, block layouts, the LSE) at head dims 64 and 256.
+kernels), then masks, causal and ragged lengths at head dim 64, the variants (window,
+bottom-right, softcap, ALiBi, block layouts, the LSE) at head dims 64 and 256, and the
+serving calls: packed varlen forward and backward, KV-cache split-K and merge kernels
+(contiguous and paged, GQA, with the variants) in each dtype at head dims 64 to 256.
 """
 
 from __future__ import annotations
@@ -142,6 +144,48 @@ def calls(quick: bool):
         yield f"{name} E=256 all variants", all_variants(dtype, 256)
 
 
+def serving_calls(quick: bool):
+    """(label, "varlen" or "kvcache", arguments) of the serving calls to compile."""
+    gen = torch.Generator().manual_seed(0)
+    dtypes = {"fp16": DTYPES["fp16"]} if quick else DTYPES
+    head_dims = (64,) if quick else (64, 128, 256)
+    lengths = torch.tensor([0, 100, 0, 37, 300]).cumsum(0).int()
+    for name, dtype in dtypes.items():
+        for head_dim in head_dims:
+            q, k, v = (torch.randn(437, heads, head_dim, generator=gen).to(dtype)
+                       for heads in (8, 2, 2))  # fmt: skip
+            yield f"{name} E={head_dim} varlen", "varlen", {
+                "q": q, "k": k, "v": v, "cu_seqlens_q": lengths, "cu_seqlens_k": lengths,
+                "max_seqlen_q": 300, "max_seqlen_k": 300, "is_causal": True,
+                "window": (64, 0), "softcap": 30.0, "return_lse": True,
+            }  # fmt: skip
+            query = torch.randn(3, 1, 8, head_dim, generator=gen).to(dtype)
+            cache = torch.randn(3, 256, 2, head_dim, generator=gen).to(dtype)
+            yield f"{name} E={head_dim} decode", "kvcache", {
+                "q": query, "k_cache": cache, "v_cache": cache,
+                "cache_seqlens": torch.tensor([5, 200, 256]).int(), "num_splits": 4,
+            }  # fmt: skip
+            pages = torch.randn(20, 64, 2, head_dim, generator=gen).to(dtype)
+            yield f"{name} E={head_dim} paged spec.", "kvcache", {
+                "q": torch.randn(3, 4, 8, head_dim, generator=gen).to(dtype), "k_cache": pages,
+                "v_cache": pages, "cache_seqlens": torch.tensor([5, 100, 250]).int(),
+                "block_table": torch.arange(12).view(3, 4).int(), "num_splits": 3,
+                "window": (64, 0), "softcap": 30.0, "alibi_slopes": torch.rand(8),
+            }  # fmt: skip
+
+
+def compile_serving_call(kind: str, call: dict) -> None:
+    from attnperf.kernels import triton_gpu
+    from attnperf.serving import prepare_kvcache, prepare_varlen
+
+    if kind == "varlen":
+        inputs = prepare_varlen(**call)
+        out, stats = triton_gpu.triton_attention_forward(inputs)
+        triton_gpu.triton_attention_backward(inputs, out, stats, torch.ones_like(out))
+    else:
+        triton_gpu.triton_kvcache_forward(prepare_kvcache(**call))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT))
@@ -155,13 +199,17 @@ def main() -> int:
 
     limit = SHARED_LIMIT[args.arch]
     failures = 0
-    for label, call in calls(args.quick):
-        variant = {k: v for k, v in call.items() if k not in ("q", "k", "v", "attn_mask")}
-        inputs = prepare(call["q"], call["k"], call["v"], call.get("attn_mask"), **variant)
+    every_call = [(label, "attention", call) for label, call in calls(args.quick)]
+    for label, kind, call in [*every_call, *serving_calls(args.quick)]:
         before = len(compiled)
         try:
-            out, lse2 = triton_gpu.triton_attention_forward(inputs)
-            triton_gpu.triton_attention_backward(inputs, out, lse2, torch.ones_like(out))
+            if kind == "attention":
+                variant = {k: v for k, v in call.items() if k not in ("q", "k", "v", "attn_mask")}
+                inputs = prepare(call["q"], call["k"], call["v"], call.get("attn_mask"), **variant)
+                out, stats = triton_gpu.triton_attention_forward(inputs)
+                triton_gpu.triton_attention_backward(inputs, out, stats, torch.ones_like(out))
+            else:
+                compile_serving_call(kind, call)
         except Exception as error:  # a compiler error: report it, go on with the next call
             failures += 1
             print(f"FAILED {label}: {type(error).__name__}: {str(error)[:2000]}")

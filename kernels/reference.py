@@ -15,13 +15,15 @@ from attnperf.serving import KVCacheInputs, cached_keys
 
 
 def variant_masks(
-    inputs: AttentionInputs, dtype: torch.dtype
+    inputs: AttentionInputs, dtype: torch.dtype, offset: int | None = None
 ) -> tuple[Tensor | None, Tensor | None]:
     """The variant as dense tensors: (allowed, bool (B or 1, Hq or 1, L, S): the band and
     the block mask; alibi, (B, Hq, L, S) in `dtype`: -slope * |i + o - j|), each None when
-    the call has none. Query i's diagonal is key i + o (o = 0 top-left, S - L bottom-right).
+    the call has none. Query i's diagonal is key i + o (o = 0 top-left, S - L bottom-right,
+    or `offset`).
     """
-    allowed, alibi = dense_masks(inputs, inputs.q_len, inputs.kv_len, inputs.offset, dtype)
+    offset = inputs.offset if offset is None else offset
+    allowed, alibi = dense_masks(inputs, inputs.q_len, inputs.kv_len, offset, dtype)
     block_mask = inputs.variant.block_mask
     if block_mask is not None:
         dense = block_mask.to_dense().to(inputs.device)
@@ -58,10 +60,11 @@ def dense_masks(
 
 
 def reference_attention(
-    inputs: AttentionInputs, compute_dtype: torch.dtype | None = None
+    inputs: AttentionInputs, compute_dtype: torch.dtype | None = None, offset: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(output (B, Hq, L, Ev), weights (B, Hq, L, S), both in the inputs' dtype, natural-log
-    LSE (B, Hq, L) float32), computed in `compute_dtype` (default: the inputs' own).
+    LSE (B, Hq, L) float32), computed in `compute_dtype` (default: the inputs' own), the
+    diagonal at key i + `offset` (default: the call's alignment).
 
     The weights are those applied to the values, after dropout when dropout_p > 0.
     """
@@ -80,7 +83,7 @@ def reference_attention(
 
     # 2. Masks and ALiBi. The structure (band, block mask) overwrites scores with -inf, as
     #    SDPA's is_causal does; a bool attn_mask is added as 0 / -inf, so NaN stays NaN.
-    allowed, alibi = variant_masks(inputs, scores.dtype)
+    allowed, alibi = variant_masks(inputs, scores.dtype, offset)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     if inputs.mask_kind == "bool":
@@ -145,9 +148,14 @@ class ReferenceBackend(Backend):
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
         if inputs.variant.sequences is not None:
             return self.run_sequences(inputs)
+        return self.run_plain(inputs)
+
+    def run_plain(
+        self, inputs: AttentionInputs, offset: int | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         # fp16/bf16 computed in fp32, as SDPA does: fp16 scores overflow at |q.k| > 65504.
         half = inputs.dtype in (torch.float16, torch.bfloat16)
-        out, _, lse = reference_attention(inputs, torch.float32 if half else None)
+        out, _, lse = reference_attention(inputs, torch.float32 if half else None, offset)
         return out, lse if inputs.variant.return_lse else None
 
     def run_sequences(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
@@ -156,12 +164,13 @@ class ReferenceBackend(Backend):
         # Row-major (slot, row, head) while filling: a sequence's rows are then one index.
         out = inputs.query.new_zeros((slots, rows, heads, inputs.value_dim))
         lse = out.new_full((slots, rows, heads), float("-inf"), dtype=torch.float32)
-        for b, (slot, q0, q_len, k0, k_len, _) in enumerate(inputs.sequences.table.tolist()):
+        for b, (slot, q0, q_len, k0, k_len, offset) in enumerate(inputs.sequences.table.tolist()):
             query = inputs.query[slot : slot + 1, :, q0 : q0 + q_len]
             key, value = (
                 t[slot : slot + 1, :, k0 : k0 + k_len] for t in (inputs.key, inputs.value)
             )
-            part_out, part_lse = self.run(sequence_call(inputs, b, query, key, value))
+            part = sequence_call(inputs, b, query, key, value)
+            part_out, part_lse = self.run_plain(part, offset)  # the table's own alignment
             where = (torch.tensor(slot), torch.arange(q0, q0 + q_len))
             out = out.index_put(where, part_out[0].transpose(0, 1))
             if part_lse is not None:

@@ -650,7 +650,7 @@ def kvcache_split_kernel(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s, _ = modify_scores(
+        s, _dtanh = modify_scores(
             s * scale2, b, heads[:, None], positions, offs_n, q_len, end, Q, 0, 0, 0, 0, left,
             right, offset, softcap2, Alibi, q_heads, Q, Q, Q, 0, 0, 0, 0, HAS_BAND,
             HAS_SOFTCAP, HAS_ALIBI, False, 16, 16, False,

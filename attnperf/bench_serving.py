@@ -1,0 +1,223 @@
+"""Serving benchmarks: KV-cache decoding (`attnperf bench --decode`) and packed batches of
+variable-length sequences (`attnperf bench --varlen`).
+
+As in attnperf.bench, each contender runs in its own spawned worker process and the workers
+take turns round by round (the order reversed every other round), so that the ratios are
+measured in the same run; a time is the median of the rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from attnperf import bench
+
+# Llama-3-8B's attention: 32 query heads over 8 key/value heads of 128 dims.
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
+# One key/value head (multi-query attention): batch x kv heads = 1, below any thread count,
+# where split-K is what keeps the threads busy.
+SPLIT_KV_HEADS = 1
+COPY_BYTES = 1 << 30  # the bandwidth probe's tensor: far larger than any cache level
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The --decode and --varlen sweeps."""
+
+    decode_lengths: tuple[int, ...] = (1024, 4096, 16384, 65536)
+    batches: tuple[int, ...] = (1, 4)
+    sequences: int = 8  # --varlen: a packed batch of this many sequences
+    shortest: int = 128
+    longest: int = 4096
+    seed: int = 0
+    heads: int = 8  # --varlen's heads and head dim
+    head_dim: int = 64
+    rounds: int = 5
+    threads: int = field(default_factory=torch.get_num_threads)
+
+
+@dataclass
+class Contender:
+    """One timed call: its label, median and every round's time."""
+
+    label: str
+    median_s: float | None = None
+    first_call_s: float | None = None
+    times_s: list[float] = field(default_factory=list)
+    status: str = "ok"
+
+
+def _set_up(make_call: Callable[[], Callable[[], object]]) -> float:
+    """In a worker: build the call, run it once (returns that time) and once more, and
+    leave it ready for bench.time_turn."""
+    call = make_call()
+    timer = bench._timer("cpu")
+    first = timer(call)
+    timer(call)
+    bench._READY = (timer, call)
+    return first
+
+
+def race(config: ServingConfig, calls: dict[str, Callable]) -> dict[str, Contender]:
+    """Time each call (a picklable factory of the call) in its own worker, in turns."""
+    workers = {label: bench._start_worker(config, memory=False) for label in calls}
+    results = {label: Contender(label) for label in calls}
+    try:
+        for label, make_call in calls.items():
+            results[label].first_call_s = workers[label].submit(_set_up, make_call).result()
+        labels = list(calls)
+        for round_ in range(config.rounds):
+            for label in labels if round_ % 2 == 0 else labels[::-1]:
+                results[label].times_s.append(workers[label].submit(bench.time_turn).result())
+    finally:
+        for worker in workers.values():
+            worker.shutdown()
+    for result in results.values():
+        result.median_s = statistics.median(result.times_s)
+    return results
+
+
+# ---------------------------------------------------------------------------- decode
+class DecodeCall:
+    """attention_with_kvcache of one query token over a full contiguous fp32 cache."""
+
+    def __init__(self, backend, batch, length, heads, kv_heads, head_dim, num_splits=0):
+        self.args = (backend, batch, length, heads, kv_heads, head_dim, num_splits)
+
+    def __call__(self) -> Callable[[], object]:
+        import attnperf
+
+        backend, batch, length, heads, kv_heads, head_dim, num_splits = self.args
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(batch, 1, heads, head_dim, generator=gen)
+        k_cache, v_cache = (torch.randn(batch, length, kv_heads, head_dim, generator=gen)
+                            for _ in range(2))  # fmt: skip
+        return lambda: attnperf.attention_with_kvcache(
+            q, k_cache, v_cache, length, backend=backend, num_splits=num_splits
+        )
+
+
+class CopyCall:
+    """A copy of COPY_BYTES: the memory bandwidth this machine gives these threads."""
+
+    def __call__(self) -> Callable[[], object]:
+        source = torch.ones(COPY_BYTES // 4)
+        target = torch.empty_like(source)
+        return lambda: target.copy_(source)
+
+
+def kv_bytes(batch: int, length: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of K and V that one decode step must read (fp32)."""
+    return 2 * batch * length * kv_heads * head_dim * 4
+
+
+def decode_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> dict:
+    """numba vs sdpa per (batch, cache length); split-K on and off at one kv head; the copy
+    bandwidth, all in one run."""
+    copy = race(config, {"copy": CopyCall()})["copy"]
+    bandwidth = 2 * COPY_BYTES / copy.median_s  # read + write, STREAM's count for a copy
+    on_progress(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    rows = []
+    shape = (DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM)
+    for batch in config.batches:
+        for length in config.decode_lengths:
+            calls = {b: DecodeCall(b, batch, length, *shape) for b in ("sdpa", "numba")}
+            timed = race(config, calls)
+            sdpa, numba = timed["sdpa"].median_s, timed["numba"].median_s
+            read = kv_bytes(batch, length, DECODE_KV_HEADS, DECODE_HEAD_DIM)
+            rows.append({
+                "batch": batch, "length": length, "sdpa_s": sdpa, "numba_s": numba,
+                "speedup": sdpa / numba, "numba_gbps": read / numba / 1e9,
+                "bandwidth_share": read / numba / bandwidth,
+            })  # fmt: skip
+            on_progress(f"decode B={batch} S={length}: numba {sdpa / numba:.2f}x sdpa")
+    splits = []
+    for length in config.decode_lengths:
+        shape = (DECODE_HEADS // 4, SPLIT_KV_HEADS, DECODE_HEAD_DIM)
+        calls = {n: DecodeCall("numba", 1, length, *shape, num_splits=s)
+                 for n, s in (("one pass", 1), ("split-K", 0))}  # fmt: skip
+        timed = race(config, calls)
+        single, split = timed["one pass"].median_s, timed["split-K"].median_s
+        splits.append({"length": length, "one_pass_s": single, "split_s": split,
+                       "gain": single / split})  # fmt: skip
+        on_progress(f"split-K S={length}: {single / split:.2f}x")
+    return {"bandwidth_gbps": bandwidth / 1e9, "decode": rows, "split_k": splits}
+
+
+# ---------------------------------------------------------------------------- varlen
+def varlen_lengths(config: ServingConfig) -> list[int]:
+    gen = torch.Generator().manual_seed(config.seed)
+    return torch.randint(config.shortest, config.longest + 1, (config.sequences,),
+                         generator=gen).tolist()  # fmt: skip
+
+
+class VarlenCall:
+    """A causal packed batch: attention_varlen ("packed"), or attention on the batch padded
+    to its longest sequence under a padding mask ("padded"), with or without the backward."""
+
+    def __init__(self, backend, layout, lengths, heads, head_dim, backward):
+        self.args = (backend, layout, lengths, heads, head_dim, backward)
+
+    def __call__(self) -> Callable[[], object]:
+        import attnperf
+
+        backend, layout, lengths, heads, head_dim, backward = self.args
+        gen = torch.Generator().manual_seed(0)
+        total, longest, count = sum(lengths), max(lengths), len(lengths)
+        if layout == "packed":
+            q, k, v = (torch.randn(total, heads, head_dim, generator=gen) for _ in range(3))
+            cu = torch.tensor([0, *lengths]).cumsum(0).int()
+
+            def attend(q, k, v):
+                return attnperf.attention_varlen(q, k, v, cu, cu, longest, longest,
+                                                 is_causal=True, backend=backend)  # fmt: skip
+        else:
+            shape = (count, heads, longest, head_dim)
+            q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
+            positions = torch.arange(longest)
+            real = positions[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
+            mask = real[:, None, None, :] & (positions[None, :] <= positions[:, None])
+
+            def attend(q, k, v):
+                return attnperf.attention(q, k, v, attn_mask=mask, backend=backend)
+
+        for tensor in (q, k, v):
+            tensor.requires_grad_(backward)
+
+        def call():
+            out = attend(q, k, v)
+            if backward:
+                q.grad = k.grad = v.grad = None
+                out.sum().backward()
+            return out
+
+        return call
+
+
+def varlen_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> dict:
+    """numba on the packed batch vs sdpa and numba on the padded one, forward and
+    forward+backward; the work each layout implies."""
+    lengths = varlen_lengths(config)
+    squares, padded_squares = sum(n * n for n in lengths), len(lengths) * max(lengths) ** 2
+    rows = []
+    for backward in (False, True):
+        contenders = (("numba", "packed"), ("sdpa", "padded"), ("numba", "padded"))
+        calls = {
+            f"{backend} {layout}": VarlenCall(
+                backend, layout, lengths, config.heads, config.head_dim, backward
+            )
+            for backend, layout in contenders
+        }
+        timed = race(config, calls)
+        packed = timed["numba packed"].median_s
+        for label, result in timed.items():
+            pass_ = "forward+backward" if backward else "forward"
+            rows.append({"pass": pass_, "call": label, "median_s": result.median_s,
+                         "vs_packed": result.median_s / packed})  # fmt: skip
+        on_progress(f"varlen {'forward+backward' if backward else 'forward'} done")
+    return {"lengths": lengths, "sum_squares": squares, "padded_squares": padded_squares,
+            "rows": rows}  # fmt: skip
