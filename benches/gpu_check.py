@@ -9,7 +9,11 @@ For every dtype (bf16, fp16), head dim (64, 128), L = S in 1k..16k, causal or no
 accepts the call (flash, efficient, cudnn) with triton.testing.do_bench, and prints TFLOP/s
 and triton's speed relative to each kernel (> 1: triton is faster). Variant rows (bf16,
 E = 128, causal sliding window of 256 keys, alone and with softcap 50) time `triton`
-against SDPA with the mask materialised once and FlexAttention compiled. Without a GPU,
+against SDPA with the mask materialised once and FlexAttention compiled. Serving rows (bf16):
+decode steps (one query token, Hq = 32 over H = 8, E = 128, B = 1 and 8, caches of 4k to
+64k keys) of attention_with_kvcache against SDPA on the cache, with the bandwidth achieved;
+a packed causal batch of 16 sequences (512..8192 tokens, seeded) through attention_varlen
+against SDPA and triton on the padded batch under a padding mask. Without a GPU,
 `TRITON_INTERPRET=1 python benches/gpu_check.py --tiny` runs the same script end to end on
 CPU at tiny sizes (its timings mean nothing there).
 """
@@ -208,6 +212,56 @@ def benchmark_variants(device: str, tiny: bool, rows: list[dict]) -> None:
                 report(rows, label, head_dim, length, True, pass_, timings, total)
 
 
+def benchmark_serving(device: str, tiny: bool, rows: list[dict]) -> None:
+    """Decode steps over a KV cache and a packed batch of variable lengths, bf16."""
+    dtype = torch.bfloat16
+    heads, kv_heads, head_dim = (4, 2, 16) if tiny else (32, 8, 128)
+    for batch in (1,) if tiny else (1, 8):
+        for length in (64,) if tiny else (4096, 16384, 65536):
+            q = torch.randn(batch, 1, heads, head_dim, device=device, dtype=dtype)
+            cache = [torch.randn(batch, length, kv_heads, head_dim, device=device, dtype=dtype)
+                     for _ in range(2)]  # fmt: skip
+            contenders = {
+                "triton": lambda q, k, v, _, length=length: attnperf.attention_with_kvcache(
+                    q, k, v, length, backend="triton"),
+                "sdpa": lambda q, k, v, _: F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True),
+            }  # fmt: skip
+            timings = {name: measure(fn, q, *cache, False, "forward", None, device)
+                       for name, fn in contenders.items()}  # fmt: skip
+            read = 2 * cache[0].numel() * cache[0].element_size()
+            label = f"bf16-decode-B{batch}"
+            report(rows, label, head_dim, length, False, "forward", timings,
+                   4 * batch * heads * length * head_dim)  # fmt: skip
+            if timings["triton"]:
+                print(f"  triton reads K and V at {read / timings['triton'] / 1e6:.0f} GB/s")
+    count, shortest, longest = (3, 16, 64) if tiny else (16, 512, 8192)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(shortest, longest + 1, (count,), generator=gen)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).int().to(device)
+    total, most = int(lengths.sum()), int(lengths.max())
+    packed = [torch.randn(total, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
+    padded = [torch.zeros(count, heads, most, head_dim, device=device, dtype=dtype)
+              for _ in range(3)]  # fmt: skip
+    positions = torch.arange(most, device=device)
+    real = positions[None] < lengths.to(device)[:, None]
+    mask = real[:, None, None, :] & (positions[None, :] <= positions[:, None])
+    flops = 4 * heads * head_dim * float((lengths * lengths).sum()) / 2
+    for pass_ in ("forward", "forward+backward"):
+        timings = {"triton": measure(
+            lambda q, k, v, _: attnperf.attention_varlen(q, k, v, cu, cu, most, most,
+                                                         is_causal=True, backend="triton"),
+            *packed, True, pass_, torch.randn_like(packed[0]), device)}  # fmt: skip
+        for name in ("sdpa", "triton"):
+            timings[f"{name}-padded"] = measure(
+                lambda q, k, v, _, name=name: attnperf.attention(q, k, v, attn_mask=mask,
+                                                                 backend=name),
+                *padded, True, pass_, torch.randn_like(padded[0]), device,
+            )  # fmt: skip
+        report(rows, f"bf16-varlen{count}", head_dim, most, True, pass_, timings,
+               flops * (3.5 if pass_ == "forward+backward" else 1))  # fmt: skip
+
+
 def measure(fn, q, k, v, causal, pass_, grad_out, device) -> float | None:
     backward = pass_ == "forward+backward"
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
@@ -257,6 +311,7 @@ def main() -> int:
     rows: list[dict] = []
     benchmark(device, args.tiny, rows)
     benchmark_variants(device, args.tiny, rows)
+    benchmark_serving(device, args.tiny, rows)
     with open(args.csv, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
