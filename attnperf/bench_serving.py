@@ -3,12 +3,17 @@ variable-length sequences (`attnperf bench --varlen`).
 
 As in attnperf.bench, each contender runs in its own spawned worker process and the workers
 take turns round by round (the order reversed every other round), so that the ratios are
-measured in the same run; a time is the median of the rounds.
+measured in the same run; a time is the median of the rounds. Each turn first pauses
+SETTLE_S, so that the previous contender's OpenMP threads, which spin for a while after
+torch's parallel ops, are asleep before it starts (they took a millisecond-scale decode
+step's cores: numba's step at B = 1, S = 16k measured 12.3 ms after sdpa's turns, 6.5 ms
+with OMP_WAIT_POLICY=PASSIVE), then makes an untimed call, then the timed one.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,10 +23,8 @@ from attnperf import bench
 
 # Llama-3-8B's attention: 32 query heads over 8 key/value heads of 128 dims.
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
-# One key/value head (multi-query attention): batch x kv heads = 1, below any thread count,
-# where split-K is what keeps the threads busy.
-SPLIT_KV_HEADS = 1
 COPY_BYTES = 1 << 30  # the bandwidth probe's tensor: far larger than any cache level
+SETTLE_S = 0.3
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ def race(config: ServingConfig, calls: dict[str, Callable]) -> dict[str, Contend
         labels = list(calls)
         for round_ in range(config.rounds):
             for label in labels if round_ % 2 == 0 else labels[::-1]:
+                time.sleep(SETTLE_S)
                 results[label].times_s.append(workers[label].submit(bench.time_turn).result())
     finally:
         for worker in workers.values():
@@ -110,17 +114,27 @@ class CopyCall:
         return lambda: target.copy_(source)
 
 
+class ReadCall:
+    """A sum over COPY_BYTES: the read bandwidth this machine gives these threads."""
+
+    def __call__(self) -> Callable[[], object]:
+        source = torch.ones(COPY_BYTES // 4)
+        return source.sum
+
+
 def kv_bytes(batch: int, length: int, kv_heads: int, head_dim: int) -> int:
     """Bytes of K and V that one decode step must read (fp32)."""
     return 2 * batch * length * kv_heads * head_dim * 4
 
 
 def decode_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> dict:
-    """numba vs sdpa per (batch, cache length); split-K on and off at one kv head; the copy
-    bandwidth, all in one run."""
-    copy = race(config, {"copy": CopyCall()})["copy"]
-    bandwidth = 2 * COPY_BYTES / copy.median_s  # read + write, STREAM's count for a copy
-    on_progress(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    """numba vs sdpa per (batch, cache length); split-K on and off at B = 1; the memory
+    bandwidth (a copy, and a read-only sum, which is what a decode step does), all in one
+    run."""
+    probes = race(config, {"copy": CopyCall(), "read": ReadCall()})
+    copy = 2 * COPY_BYTES / probes["copy"].median_s  # read + write, STREAM's count for a copy
+    bandwidth = COPY_BYTES / probes["read"].median_s
+    on_progress(f"bandwidth: copy {copy / 1e9:.1f} GB/s, read {bandwidth / 1e9:.1f} GB/s")
     rows = []
     shape = (DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM)
     for batch in config.batches:
@@ -135,9 +149,8 @@ def decode_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> d
                 "bandwidth_share": read / numba / bandwidth,
             })  # fmt: skip
             on_progress(f"decode B={batch} S={length}: numba {sdpa / numba:.2f}x sdpa")
-    splits = []
+    splits = []  # B = 1, below the thread count: split-K is what keeps the threads busy
     for length in config.decode_lengths:
-        shape = (DECODE_HEADS // 4, SPLIT_KV_HEADS, DECODE_HEAD_DIM)
         calls = {n: DecodeCall("numba", 1, length, *shape, num_splits=s)
                  for n, s in (("one pass", 1), ("split-K", 0))}  # fmt: skip
         timed = race(config, calls)
@@ -145,7 +158,8 @@ def decode_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> d
         splits.append({"length": length, "one_pass_s": single, "split_s": split,
                        "gain": single / split})  # fmt: skip
         on_progress(f"split-K S={length}: {single / split:.2f}x")
-    return {"bandwidth_gbps": bandwidth / 1e9, "decode": rows, "split_k": splits}
+    return {"copy_gbps": copy / 1e9, "bandwidth_gbps": bandwidth / 1e9, "decode": rows,
+            "split_k": splits}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- varlen

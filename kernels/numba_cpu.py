@@ -335,13 +335,12 @@ def tile_structure(variant, b, h, i0, rows, j0, cols):
 
 
 @_njit()
-def key_tiles(variant, b, h, i0, rows, k_first, k_end, block_n):
-    """The key tiles among keys k_first .. k_end - 1 that query rows i0 .. i0 + rows - 1
-    must visit, as (j0, cols, structure) with structure MASKED or UNMASKED: the tile range
-    of the band, without the tiles that the block layout leaves empty."""
+def key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+    """The key tiles that query rows i0 .. i0 + rows - 1 must visit, as (j0, cols,
+    structure) with structure MASKED or UNMASKED: the tile range of the band, without the
+    tiles that the block layout leaves empty."""
     tiles = []
-    first, end = key_range(variant, b, i0, rows, k_end)
-    first = max(first, k_first)
+    first, end = key_range(variant, b, i0, rows, kv_len)
     for j0 in range(first, end, block_n):
         cols = min(block_n, end - j0)
         structure = tile_structure(variant, b, h, i0, rows, j0, cols)
@@ -416,31 +415,33 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
 
 
 @_njit(fastmath=FASTMATH)
+def online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift):
+    """The online softmax's step before acc += P V: s[:rows, :cols] <- P = 2 ** (s - the
+    rows' new max), their max and sum updated, acc rescaled to the new max."""
+    for r in range(rows):
+        new_max = row_maximum(s[r], cols, row_max[r])
+        # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
+        shift[r] = new_max if new_max != -np.inf else 0.0
+        alpha = 2.0 ** (row_max[r] - shift[r]) if row_max[r] != -np.inf else 0.0
+        row_max[r] = new_max
+        row_sum[r] = row_sum[r] * alpha + exp2_shifted(s[r], cols, shift[r], 1.0)
+        for e in range(acc.shape[1]):
+            acc[r, e] *= alpha
+
+
+@_njit(fastmath=FASTMATH)
 def online_softmax_tiles(
-    q_tile, k, v, k_first, k_end, variant, b, h, heads, i0, rows, scale2, block_n, s, acc,
-    row_max, row_sum, shift,
+    q_tile, k, v, variant, b, h, i0, rows, kv_len, scale2, block_n, s, acc, row_max, row_sum,
+    shift,
 ):  # fmt: skip
     """The online softmax (unnormalised acc, row_max, row_sum, shift) of query rows i0 ..
-    i0 + rows - 1 of heads h .. h + heads - 1, stacked head by head in q_tile (heads * rows,
-    E), updated with the key tiles they see among keys k_first .. k_end - 1, whose rows
-    k, v (k_end - k_first, E) hold."""
+    i0 + rows - 1 (q_tile) of head h, over the key tiles they see of k, v (S, E)."""
     no_dtanh = np.empty((0, 0), np.float32)
-    for j0, cols, structure in key_tiles(variant, b, h, i0, rows, k_first, k_end, block_n):
-        gemm(q_tile, k[j0 - k_first : j0 - k_first + cols], s[:, :cols], scale2, 0.0, False,
-             True)  # fmt: skip
-        for g in range(heads):
-            block = s[g * rows : (g + 1) * rows]
-            modify_scores(block, variant, b, h + g, i0, j0, rows, cols, structure, no_dtanh)
-        for r in range(heads * rows):
-            new_max = row_maximum(s[r], cols, row_max[r])
-            # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
-            shift[r] = new_max if new_max != -np.inf else 0.0
-            alpha = 2.0 ** (row_max[r] - shift[r]) if row_max[r] != -np.inf else 0.0
-            row_max[r] = new_max
-            row_sum[r] = row_sum[r] * alpha + exp2_shifted(s[r], cols, shift[r], 1.0)
-            for e in range(acc.shape[1]):
-                acc[r, e] *= alpha
-        gemm(s[:, :cols], v[j0 - k_first : j0 - k_first + cols], acc, 1.0, 1.0, False, False)
+    for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+        gemm(q_tile, k[j0 : j0 + cols], s[:, :cols], scale2, 0.0, False, True)
+        modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
+        online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
+        gemm(s[:, :cols], v[j0 : j0 + cols], acc, 1.0, 1.0, False, False)
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
@@ -466,8 +467,8 @@ def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n
         hk = h // group
         online_softmax_tiles(
             q[slot, h, q0 + i0 : q0 + i0 + rows], k[slot, hk, k0 : k0 + kv_len],
-            v[slot, hk, k0 : k0 + kv_len], 0, kv_len, variant, b, h, 1, i0, rows, scale2,
-            block_n, s, acc, row_max, row_sum, shift,
+            v[slot, hk, k0 : k0 + kv_len], variant, b, h, i0, rows, kv_len, scale2, block_n, s,
+            acc, row_max, row_sum, shift,
         )  # fmt: skip
         for r in range(rows):
             # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
@@ -476,6 +477,43 @@ def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n
                 out[slot, h, q0 + i0 + r, e] = acc[r, e] * inv
             stats[slot, h, q0 + i0 + r, 0] = shift[r]
             stats[slot, h, q0 + i0 + r, 1] = row_sum[r]
+
+
+@_njit(fastmath=FASTMATH)
+def cached_scores(q_rows, page, first_row, cols, s, scale2):
+    """s[h, r, j] <- scale2 * q_rows[h, r] . page[first_row + j, h] for j < cols: every
+    head's scores of a tile of keys, one cache row (all heads side by side) at a time.
+
+    A decode step has a few query rows per head: BLAS's small-M products ran it at ~13 GB/s
+    of K and V (S = 16k, 32/8 heads, E = 128, 2 threads), these loops faster (they need a
+    C-contiguous cache to vectorise along E).
+    """
+    heads, rows, dim = q_rows.shape
+    for j in range(cols):
+        keys = page[first_row + j]
+        for h in range(heads):
+            key = keys[h]
+            for r in range(rows):
+                query = q_rows[h, r]
+                total = np.float32(0.0)
+                for e in range(dim):
+                    total += query[e] * key[e]
+                s[h, r, j] = total * scale2
+
+
+@_njit(fastmath=FASTMATH)
+def cached_values(p, page, first_row, cols, acc):
+    """acc[h, r] += sum_j p[h, r, j] * page[first_row + j, h] for j < cols."""
+    heads, rows, dim = acc.shape
+    for j in range(cols):
+        values = page[first_row + j]
+        for h in range(heads):
+            value = values[h]
+            for r in range(rows):
+                weight = p[h, r, j]
+                out = acc[h, r]
+                for e in range(dim):
+                    out[e] += weight * value[e]
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
@@ -487,8 +525,10 @@ def kvcache_forward_splits(
     the keys its rows see, into partial_out (splits, B, Hq, Lq, Ev), unnormalised, and
     partial_stats (splits, B, Hq, Lq, 2), each row's base-2 max and sum.
 
-    The query rows of a key/value head's whole group go through each K/V tile together
-    (FlashAttention's "pack GQA"): K and V are read once per key/value head.
+    An item walks its keys in tiles, each cache row with all its heads: memory is read in
+    order (a head at a time, its rows a page apart, defeats the prefetchers). The query rows
+    of a key/value head's group go through its keys together (FlashAttention's "pack GQA"):
+    K and V are read once.
     """
     splits = partial_out.shape[0]
     batch, q_heads, q_len, head_dim = q.shape
@@ -496,17 +536,19 @@ def kvcache_forward_splits(
     group = q_heads // kv_heads
     rows = group * q_len
     scale2 = scale * LOG2E
-    for item in prange(batch * kv_heads * splits):
-        b, hk, split = split_index(item, kv_heads, splits)
-        h = hk * group
-        q_rows = np.empty((rows, head_dim), np.float32)
-        for g in range(group):
-            q_rows[g * q_len : (g + 1) * q_len] = q[b, h + g]
-        s = np.empty((rows, block_n), np.float32)
-        acc = np.zeros((rows, value_dim), np.float32)
-        row_max = np.full(rows, -np.inf, np.float32)
-        row_sum = np.zeros(rows, np.float32)
-        shift = np.zeros(rows, np.float32)
+    no_dtanh = np.empty((0, 0), np.float32)
+    for item in prange(batch * splits):
+        b, _, split = split_index(item, 1, splits)
+        slot = variant[4][b, 0]  # the sequence's batch entry: rows may be reordered
+        q_rows = np.empty((kv_heads, rows, head_dim), np.float32)
+        for hk in range(kv_heads):
+            for g in range(group):
+                q_rows[hk, g * q_len : (g + 1) * q_len] = q[slot, hk * group + g]
+        s = np.empty((kv_heads, rows, block_n), np.float32)
+        acc = np.zeros((kv_heads, rows, value_dim), np.float32)
+        row_max = np.full((kv_heads, rows), -np.inf, np.float32)
+        row_sum = np.zeros((kv_heads, rows), np.float32)
+        shift = np.zeros((kv_heads, rows), np.float32)
         k_start, kv_len = variant[4][b, 3], variant[4][b, 4]
         first, end = key_range(variant, b, 0, q_len, kv_len)
         chunk = ((end - first + splits - 1) // splits + 15) // 16 * 16
@@ -514,22 +556,30 @@ def kvcache_forward_splits(
         # Key j is cache row k_start + j; pages hold page_size rows; tiles never cross one.
         page_start = (k_start + lo) // page_size * page_size
         while page_start < k_start + hi:
-            page = block_table[b, page_start // page_size]
+            page = block_table[slot, page_start // page_size]
             k_first = max(lo, page_start - k_start)
             k_end = min(hi, page_start + page_size - k_start)
-            in_page = slice(k_start + k_first - page_start, k_start + k_end - page_start)
-            online_softmax_tiles(
-                q_rows, k_pages[page, in_page, hk], v_pages[page, in_page, hk], k_first, k_end,
-                variant, b, h, group, 0, q_len, scale2, block_n, s, acc, row_max, row_sum,
-                shift,
-            )  # fmt: skip
+            for j0 in range(k_first, k_end, block_n):
+                cols = min(block_n, k_end - j0)
+                first_row = k_start + j0 - page_start
+                cached_scores(q_rows, k_pages[page], first_row, cols, s, scale2)
+                structure = tile_structure(variant, b, 0, 0, q_len, j0, cols)
+                for hk in range(kv_heads):
+                    for g in range(group):
+                        head_rows = s[hk, g * q_len : (g + 1) * q_len]
+                        modify_scores(head_rows, variant, b, hk * group + g, 0, j0, q_len, cols,
+                                      structure, no_dtanh)  # fmt: skip
+                    online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk],
+                                           row_sum[hk], shift[hk])  # fmt: skip
+                cached_values(s, v_pages[page], first_row, cols, acc)
             page_start += page_size
-        for g in range(group):
-            for t in range(q_len):
-                r = g * q_len + t
-                partial_out[split, b, h + g, t] = acc[r]
-                partial_stats[split, b, h + g, t, 0] = shift[r]
-                partial_stats[split, b, h + g, t, 1] = row_sum[r]
+        for hk in range(kv_heads):
+            for g in range(group):
+                for t in range(q_len):
+                    r, h = g * q_len + t, hk * group + g
+                    partial_out[split, slot, h, t] = acc[hk, r]
+                    partial_stats[split, slot, h, t, 0] = shift[hk, r]
+                    partial_stats[split, slot, h, t, 1] = row_sum[hk, r]
 
 
 @_njit(parallel=True, fastmath=FASTMATH)
@@ -623,7 +673,7 @@ def attention_backward_dq(
         p_buffer = np.empty((rows, block_n), np.float32)
         ds_buffer = np.empty((rows, block_n), np.float32)
         dtanh = np.empty((rows if softcapped else 0, block_n), np.float32)
-        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, 0, kv_len, block_n):
+        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
             k_tile = k[slot, hk, k0 + j0 : k0 + j0 + cols]
             v_tile = v[slot, hk, k0 + j0 : k0 + j0 + cols]
             ds = ds_buffer[:, :cols]
@@ -772,15 +822,37 @@ def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int]:
     return _as_numpy(compact.float().expand(mask.shape)), MASK_FLOAT
 
 
+def balanced_order(table: Tensor, threads: int) -> Tensor:
+    """An order of the sequences in which numba's prange, which gives each thread one
+    contiguous share of the items (sequence-major, as many per sequence), shares their work
+    (q_len x k_len) evenly: heaviest first, each to the lightest share with room. A packed
+    batch of 8 causal sequences of 516 to 3890 tokens in cu_seqlens order left one of 2
+    threads idle most of the time; a plain call's equal sequences keep their order."""
+    count = table.shape[0]
+    lengths = table[:, 2] * table[:, 4]
+    if count <= 1 or threads <= 1 or bool((lengths == lengths[0]).all()):
+        return torch.arange(count)
+    room = [count // threads + (share < count % threads) for share in range(threads)]
+    shares = [[] for _ in range(threads)]
+    work = [0] * threads
+    for b in torch.argsort(lengths, descending=True, stable=True).tolist():
+        share = min((s for s in range(threads) if len(shares[s]) < room[s]), key=work.__getitem__)
+        shares[share].append(b)
+        work[share] += int(lengths[b])
+    return torch.tensor([b for share in shares for b in share])
+
+
 def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     """The call's masks and variant as the kernels' one `variant` tuple (see UNBOUNDED)."""
     mask, mask_kind = _mask_for_kernel(inputs)
     variant = inputs.variant
     left, right = inputs.band or (None, None)
     softcap2 = np.float32(variant.softcap * LOG2E if variant.softcap is not None else 0.0)
+    table = inputs.sequences.table
+    order = balanced_order(table, torch.get_num_threads())
     alibi2 = np.zeros((0, 0), np.float32)
     if variant.alibi_slopes is not None:
-        alibi2 = _as_numpy((variant.alibi_slopes * LOG2E).float().contiguous())
+        alibi2 = _as_numpy((variant.alibi_slopes[order] * LOG2E).float().contiguous())
     layout = variant.block_mask
     if layout is None:
         kinds = np.zeros((1, 1, 1, 1), np.int8)
@@ -800,8 +872,8 @@ def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     return (
         mask, mask_kind,
         UNBOUNDED if left is None else left, UNBOUNDED if right is None else right,
-        inputs.sequences.table.numpy(), softcap2, alibi2, kinds, partial_index, partial,
-        block_q, block_k,
+        table[order].numpy(), softcap2, alibi2, kinds, partial_index, partial, block_q,
+        block_k,
     )  # fmt: skip
 
 
@@ -1003,16 +1075,20 @@ def numba_attention_backward(
 
 def kvcache_splits(inputs: KVCacheInputs, threads: int) -> int:
     """How many chunks each sequence's keys are split into: as asked, else enough that the
-    (batch, kv head, split) items fill the threads evenly, with at least MIN_SPLIT_KEYS each."""
+    (batch, split) items fill the threads evenly, with at least MIN_SPLIT_KEYS keys each."""
     if inputs.num_splits:
         return inputs.num_splits
-    items = inputs.batch * inputs.kv_heads
+    items = inputs.batch  # an item walks every head (see kvcache_forward_splits)
     if items == 0 or items >= threads:
         return 1
     longest = inputs.sequences.max_kv_len
     return max(1, min(threads // math.gcd(items, threads), longest // MIN_SPLIT_KEYS))
 
 
+# Keys per tile of a KV-cache step: of 32 to 512, 96 was as fast as any (B = 1 and 4, S =
+# 16k and 64k, 32/8 heads, E = 128, 2 threads); every head's scores of the tile (8 x 4 x 96
+# floats) stay in L1.
+DECODE_BLOCK_N = 96
 # A split's fixed cost (its partial rows, the merge) is a few microseconds: below ~256 keys
 # (64K multiply-adds per row at head dim 128) it outweighs what a second thread saves.
 MIN_SPLIT_KEYS = 256
@@ -1022,11 +1098,13 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of a KV-cache call:
     split-K over (batch, kv head, split) items, merged exactly."""
     k_pages, v_pages = inputs.k_pages, inputs.v_pages
-    if inputs.block_table.shape[1] == 1 and inputs.batch == k_pages.shape[0]:
-        # A contiguous cache: only its filled rows (fp16/bf16 ones are converted).
+    contiguous = inputs.block_table.shape[1] == 1 and inputs.batch == k_pages.shape[0]
+    if contiguous and inputs.dtype != torch.float32:  # converted: only the filled rows
         filled = int((inputs.sequences.table[:, 3] + inputs.sequences.table[:, 4]).max())
         k_pages, v_pages = k_pages[:, :filled], v_pages[:, :filled]
-    q, k_pages, v_pages = _fp32(inputs.query), _fp32(k_pages), _fp32(v_pages)
+    # The kernel reads cache rows whole (cached_scores): a strided cache is copied first.
+    q = _fp32(inputs.query)
+    k_pages, v_pages = (np.ascontiguousarray(_fp32(t)) for t in (k_pages, v_pages))
     splits = kvcache_splits(inputs, torch.get_num_threads())
     shape = (*q.shape[:3], v_pages.shape[3])
     # (tensor, array) pairs: kept bound while the kernels run, as the tensors own the memory.
@@ -1038,8 +1116,8 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
         variant = lower_variant(inputs)
         table = _as_numpy(inputs.block_table.cpu())
         _run_parallel(
-            kvcache_forward_splits, q, k_pages, v_pages, table, variant, inputs.scale, BLOCK_N,
-            partial_out, partial_stats,
+            kvcache_forward_splits, q, k_pages, v_pages, table, variant, inputs.scale,
+            DECODE_BLOCK_N, partial_out, partial_stats,
         )  # fmt: skip
         _run_parallel(merge_splits, partial_out, partial_stats, out_array, stats_array)
     return out.to(inputs.dtype), stats

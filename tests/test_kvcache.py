@@ -36,7 +36,7 @@ PRESETS = {
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """numba's key tiles of 16: the splits and pages hold several."""
-    monkeypatch.setattr(numba_cpu, "BLOCK_N", 16)
+    monkeypatch.setattr(numba_cpu, "DECODE_BLOCK_N", 16)
 
 
 def cache_call(dtype, device="cpu", q_len=1, new=1, cached=CACHED, seed=0, **variant) -> dict:
@@ -161,14 +161,14 @@ def test_split_k_results_agree_whatever_the_number_of_splits(backend, num_splits
 
 
 def test_split_k_splits_when_the_threads_would_idle():
-    """B x H below the thread count: split (never below MIN_SPLIT_KEYS keys a split); at or
-    above it: one pass."""
-    q, cache = torch.zeros(1, 1, HEADS, HEAD_DIM), torch.zeros(1, 4096, KV_HEADS, HEAD_DIM)
-    few = prepare_kvcache(q, cache, cache, 4096)  # 1 x 2 items
-    assert numba_cpu.kvcache_splits(few, threads=8) == 4
-    assert numba_cpu.kvcache_splits(few, threads=3) == 3  # 6 items: two rounds of 3
-    assert numba_cpu.kvcache_splits(few, threads=2) == 1
-    short = prepare_kvcache(q, cache, cache, numba_cpu.MIN_SPLIT_KEYS * 2)
+    """A batch below the thread count: split (never below MIN_SPLIT_KEYS keys a split); at
+    or above it: one pass."""
+    q, cache = torch.zeros(2, 1, HEADS, HEAD_DIM), torch.zeros(2, 4096, KV_HEADS, HEAD_DIM)
+    two = prepare_kvcache(q, cache, cache, 4096)  # an item per sequence, all heads in it
+    assert numba_cpu.kvcache_splits(two, threads=8) == 4
+    assert numba_cpu.kvcache_splits(two, threads=3) == 3  # 6 items: two rounds of 3
+    assert numba_cpu.kvcache_splits(two, threads=2) == 1
+    short = prepare_kvcache(q[:1], cache[:1], cache[:1], numba_cpu.MIN_SPLIT_KEYS * 2)
     assert numba_cpu.kvcache_splits(short, threads=8) == 2
 
 
