@@ -4,8 +4,10 @@ the whole sequence with N threads, forward + backward, fp32, B = 1, H = 8, E = 6
     python benches/ring.py --ranks 2 --lengths 4096 8192 16384 32768 --rounds 3
 
 Per point and layout: each rank's median time, its share of that time spent waiting on a
-receive that the computation did not hide, its peak extra memory, the balance (slowest rank
-/ fastest rank, medians) and the efficiency (one process's time / the ring's slowest rank).
+receive that the computation did not hide, its peak extra memory, the balance (the busiest
+rank's busy time / the least busy one's, busy = time - waiting: the ranks finish together,
+the less loaded one waiting on the other) and the efficiency (one process's time / the
+ring's time).
 The ranks and the single process take turns round by round (all stay alive, idle while the
 other runs), so the ratios come from the same run.
 """
@@ -191,11 +193,15 @@ def run_point(args, length, causal, rank_commands, rank_answers, single_commands
             wait = statistics.median(r[rank][1] for r in ring_times[layout])
             per_rank.append({"rank": rank, "median_s": seconds, "wait_share": wait / seconds,
                              "peak_extra_bytes": memory[rank]})  # fmt: skip
-        slowest = max(r["median_s"] for r in per_rank)
-        fastest = min(r["median_s"] for r in per_rank)
-        point["layouts"][layout] = {"ranks": per_rank, "balance": slowest / fastest,
-                                    "efficiency": single_s / slowest}  # fmt: skip
+        point["layouts"][layout] = summary(per_rank, single_s)
     return point
+
+
+def summary(per_rank: list[dict], single_s: float) -> dict:
+    busy = [r["median_s"] * (1 - r["wait_share"]) for r in per_rank]
+    slowest = max(r["median_s"] for r in per_rank)
+    return {"ranks": per_rank, "balance": max(busy) / min(busy),
+            "efficiency": single_s / slowest}  # fmt: skip
 
 
 def show(point: dict, world: int) -> None:
