@@ -26,7 +26,14 @@ from torch import Tensor
 from attnperf import dispatch
 from attnperf.api import merge_attention
 from attnperf.backend import Backend, FusedBackend, lse_from_stats, stats_from_lse
-from attnperf.inputs import AttentionInputs, Sequences, check_softcap, check_window, prepare
+from attnperf.inputs import (
+    AttentionInputs,
+    Sequences,
+    band,
+    check_softcap,
+    check_window,
+    prepare,
+)
 
 LAYOUTS = ("contiguous", "zigzag")
 KV_TAG, DKV_TAG = 1, 2
@@ -135,10 +142,8 @@ class RingCall:
 
     @property
     def band(self) -> tuple[int | None, int | None] | None:
-        if not self.is_causal and self.window is None:
-            return None
-        left, right = self.window or (None, None)
-        return left, 0 if self.is_causal else right
+        """(left, right) around the global diagonal, or None (see attnperf.inputs.band)."""
+        return band(self.is_causal, self.window)
 
 
 def ring_attention(
