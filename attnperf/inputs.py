@@ -279,15 +279,13 @@ def prepare(
             "query, key and value must have the same number of dims, at least 2 "
             f"(..., L, E); got {query.dim()}, {key.dim()} and {value.dim()}"
         )
-    is_causal = _flag("is_causal", is_causal)
-    enable_gqa = _flag("enable_gqa", enable_gqa)
-    dropout_p = _real("dropout_p", dropout_p)
+    is_causal = check_flag("is_causal", is_causal)
+    enable_gqa = check_flag("enable_gqa", enable_gqa)
+    dropout_p = check_real("dropout_p", dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     if scale is not None:
-        scale = _real("scale", scale, "a float or None")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+        check_scale(scale, 1)
     if align not in ALIGNMENTS:
         raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
     if _is_causal_bias(attn_mask):
@@ -341,9 +339,9 @@ def prepare(
         window=check_window(window),
         align=align,
         softcap=check_softcap(softcap),
-        alibi_slopes=_alibi_slopes(alibi_slopes, query, batch_shape, q_heads, batch),
+        alibi_slopes=check_alibi_slopes(alibi_slopes, query, batch_shape, q_heads, batch),
         block_mask=_block_mask(block_mask, query, batch, q_heads, q_len, kv_len),
-        return_lse=_flag("return_lse", return_lse),
+        return_lse=check_flag("return_lse", return_lse),
     )
     return AttentionInputs(
         query=query.reshape(batch, q_heads, q_len, head_dim),
@@ -352,7 +350,7 @@ def prepare(
         attn_mask=mask4,
         dropout_p=float(dropout_p),
         is_causal=is_causal,
-        scale=_default_scale(head_dim) if scale is None else float(scale),
+        scale=check_scale(scale, head_dim),
         enable_gqa=enable_gqa,
         out_shape=(*query.shape[:-1], value.shape[-1]),
         variant=variant,
@@ -376,13 +374,13 @@ def check_window(window: object) -> tuple[int | None, int | None] | None:
 def check_softcap(softcap: object) -> float | None:
     if softcap is None:
         return None
-    value = _real("softcap", softcap, "a float > 0 or None")
+    value = check_real("softcap", softcap, "a float > 0 or None")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"softcap must be a finite float > 0, got {softcap!r}")
     return value
 
 
-def _alibi_slopes(
+def check_alibi_slopes(
     slopes: object, query: Tensor, batch_shape: tuple[int, ...], q_heads: int, batch: int
 ) -> Tensor | None:
     """The slopes as a (B, Hq) float32 tensor."""
@@ -420,13 +418,13 @@ def _block_mask(
     return mask
 
 
-def _flag(name: str, value: object) -> bool:
+def check_flag(name: str, value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return bool(value)
 
 
-def _real(name: str, value: object, expected: str = "a float") -> float:
+def check_real(name: str, value: object, expected: str = "a float") -> float:
     """A Python or numpy real number as a float (bools are refused, as SDPA does)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
@@ -455,9 +453,15 @@ def _causal_bias(bias: Tensor, query: Tensor, key: Tensor, align: str) -> tuple[
     return None, True, aligned
 
 
-def _default_scale(head_dim: int) -> float:
-    # E = 0: every score is an empty sum, 0, whatever the scale; SDPA gives the mean of V.
-    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+def check_scale(scale: object, head_dim: int) -> float:
+    """The scale as a float: 1 / sqrt(E) when None, else a finite real number."""
+    if scale is None:
+        # E = 0: every score is an empty sum, 0, whatever the scale; SDPA gives the mean of V.
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+    value = check_real("scale", scale, "a float or None")
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return value
 
 
 def _prepare_mask(

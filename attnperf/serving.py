@@ -7,7 +7,6 @@ that no tile crosses a sequence boundary and no padding is computed.
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass, replace
 
@@ -21,11 +20,10 @@ from attnperf.inputs import (
     AttentionInputs,
     Sequences,
     Variant,
-    _alibi_slopes,
-    _default_scale,
-    _flag,
-    _real,
     band,
+    check_alibi_slopes,
+    check_flag,
+    check_scale,
     check_softcap,
     check_window,
 )
@@ -113,8 +111,8 @@ def prepare_varlen(
         window=check_window(window),
         align=align,
         softcap=check_softcap(softcap),
-        alibi_slopes=_alibi_slopes(alibi_slopes, q, (count,), q_heads, count),
-        return_lse=_flag("return_lse", return_lse),
+        alibi_slopes=check_alibi_slopes(alibi_slopes, q, (count,), q_heads, count),
+        return_lse=check_flag("return_lse", return_lse),
         sequences=Sequences.build(q_starts, q_lens, k_starts, k_lens, align, packed=True),
     )
     return AttentionInputs(
@@ -123,8 +121,8 @@ def prepare_varlen(
         value=v.transpose(0, 1).unsqueeze(0),
         attn_mask=None,
         dropout_p=0.0,
-        is_causal=_flag("is_causal", is_causal),
-        scale=_scale(scale, head_dim),
+        is_causal=check_flag("is_causal", is_causal),
+        scale=check_scale(scale, head_dim),
         enable_gqa=q_heads != kv_heads,
         out_shape=(total_q, q_heads, v.shape[2]),
         variant=variant,
@@ -148,15 +146,6 @@ def padded_batch(
     align = inputs.variant.align
     sequences = Sequences.build(q_starts, q_lens, k_starts, k_lens, align, packed=False)
     return replace(inputs, variant=replace(inputs.variant, sequences=sequences))
-
-
-def _scale(scale: object, head_dim: int) -> float:
-    if scale is None:
-        return _default_scale(head_dim)
-    value = _real("scale", scale, "a float or None")
-    if not math.isfinite(value):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -309,8 +298,8 @@ def prepare_kvcache(
         window=check_window(window),
         align="bottom_right",
         softcap=check_softcap(softcap),
-        alibi_slopes=_alibi_slopes(alibi_slopes, q, (batch,), q_heads, batch),
-        return_lse=_flag("return_lse", return_lse),
+        alibi_slopes=check_alibi_slopes(alibi_slopes, q, (batch,), q_heads, batch),
+        return_lse=check_flag("return_lse", return_lse),
         sequences=Sequences.build(
             zeros, q_lens, leftpad, lengths - leftpad, "bottom_right", packed=False
         ),
@@ -323,8 +312,8 @@ def prepare_kvcache(
         cache_seqlens=seqlens,
         k_new=k_new,
         v_new=v_new,
-        is_causal=_flag("is_causal", is_causal),
-        scale=_scale(scale, head_dim),
+        is_causal=check_flag("is_causal", is_causal),
+        scale=check_scale(scale, head_dim),
         num_splits=int(num_splits),
         variant=variant,
     )
