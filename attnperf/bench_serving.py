@@ -51,7 +51,6 @@ class Contender:
     median_s: float | None = None
     first_call_s: float | None = None
     times_s: list[float] = field(default_factory=list)
-    status: str = "ok"
 
 
 def _set_up(make_call: Callable[[], Callable[[], object]]) -> float:

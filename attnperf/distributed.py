@@ -17,7 +17,7 @@ owners.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -119,7 +119,6 @@ class RingTimes:
     compute_s: float = 0.0
     wait_s: float = 0.0  # blocked on a receive that the computation did not hide
     steps: int = 0
-    blocks: list = field(default_factory=list)  # (step, query chunk, key chunk, kind)
 
 
 LAST_TIMES = {"forward": RingTimes(), "backward": RingTimes()}
@@ -288,21 +287,13 @@ class RingAttention(torch.autograd.Function):
             if step < call.world - 1:
                 pending, arriving = _exchange(kv, call.rank, call.world, call.group, KV_TAG)
             start = time.perf_counter()
-            for index, (q_local, q_global, q_len) in enumerate(q_chunks):
-                for k_local, k_global, k_len in chunks(call.layout, source, call.world,
-                                                       kv[0].shape[2]):  # fmt: skip
-                    q_part = q.detach()[:, :, q_local : q_local + q_len]
-                    k_part, v_part = (t[:, :, k_local : k_local + k_len] for t in kv)
-                    inputs = _block(q_part, k_part, v_part, q_global, k_global, call)
-                    times.blocks.append((step, q_global, k_global, _kind(inputs)))
-                    if inputs is None:
-                        continue
-                    out, lse = _block_forward(call.backend, inputs)
-                    if outs[index] is None:
-                        outs[index], lses[index] = out.float(), lse
-                    else:
-                        outs[index], lses[index] = merge_attention([outs[index], out.float()],
-                                                                   [lses[index], lse])  # fmt: skip
+            for index, _, _, inputs in _step_blocks(call, q, kv, source):
+                out, lse = _block_forward(call.backend, inputs)
+                if outs[index] is None:
+                    outs[index], lses[index] = out.float(), lse
+                else:
+                    outs[index], lses[index] = merge_attention([outs[index], out.float()],
+                                                               [lses[index], lse])  # fmt: skip
             times.compute_s += time.perf_counter() - start
             times.steps += 1
             if pending:
@@ -327,7 +318,6 @@ class RingAttention(torch.autograd.Function):
         times = LAST_TIMES["backward"] = RingTimes()
         if not call.return_lse:
             grad_lse = None
-        q_chunks = chunks(call.layout, call.rank, call.world, q.shape[2])
         dq = torch.zeros_like(q, dtype=torch.float32)
         kv = [k.detach().contiguous(), v.detach().contiguous()]
         # The dK/dV accumulator of the K/V block in hand, travelling with it.
@@ -341,23 +331,14 @@ class RingAttention(torch.autograd.Function):
                 pending, arriving = _exchange(kv, call.rank, call.world, call.group, KV_TAG)
             start = time.perf_counter()
             contribution = [torch.zeros_like(dkv[0]), torch.zeros_like(dkv[1])]
-            for q_local, q_global, q_len in q_chunks:
-                rows = slice(q_local, q_local + q_len)
-                for k_local, k_global, k_len in chunks(call.layout, source, call.world,
-                                                       kv[0].shape[2]):  # fmt: skip
-                    keys = slice(k_local, k_local + k_len)
-                    q_part = q.detach()[:, :, rows]
-                    inputs = _block(q_part, kv[0][:, :, keys], kv[1][:, :, keys], q_global,
-                                    k_global, call)  # fmt: skip
-                    if inputs is None:
-                        continue
-                    block_grads = _block_backward(
-                        call.backend, inputs, out[:, :, rows], lse[:, :, rows],
-                        grad_out[:, :, rows], None if grad_lse is None else grad_lse[:, :, rows],
-                    )  # fmt: skip
-                    dq[:, :, rows] += block_grads[0]
-                    contribution[0][:, :, keys] += block_grads[1]
-                    contribution[1][:, :, keys] += block_grads[2]
+            for _, rows, keys, inputs in _step_blocks(call, q, kv, source):
+                block_grads = _block_backward(
+                    call.backend, inputs, out[:, :, rows], lse[:, :, rows],
+                    grad_out[:, :, rows], None if grad_lse is None else grad_lse[:, :, rows],
+                )  # fmt: skip
+                dq[:, :, rows] += block_grads[0]
+                contribution[0][:, :, keys] += block_grads[1]
+                contribution[1][:, :, keys] += block_grads[2]
             times.compute_s += time.perf_counter() - start
             times.steps += 1
             if step > 0:  # the accumulator of this step's K/V, from the previous rank
@@ -375,10 +356,19 @@ class RingAttention(torch.autograd.Function):
         return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _kind(inputs: AttentionInputs | None) -> str:
-    if inputs is None:
-        return "skipped"
-    return "banded" if inputs.variant.sequences is not None else "full"
+def _step_blocks(call: RingCall, q: Tensor, kv: list[Tensor], source: int):
+    """The blocks of one step, this rank's query chunks against the chunks of the K/V shard
+    from rank `source`, that the band leaves anything: (query chunk index, its rows, the
+    keys' rows (slices of the local shards), the block's call)."""
+    q_chunks = chunks(call.layout, call.rank, call.world, q.shape[2])
+    for index, (q_local, q_global, q_len) in enumerate(q_chunks):
+        rows = slice(q_local, q_local + q_len)
+        for k_local, k_global, k_len in chunks(call.layout, source, call.world, kv[0].shape[2]):
+            keys = slice(k_local, k_local + k_len)
+            inputs = _block(q.detach()[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                            q_global, k_global, call)  # fmt: skip
+            if inputs is not None:
+                yield index, rows, keys, inputs
 
 
 def _block_forward(backend: Backend, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:

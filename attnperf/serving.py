@@ -190,8 +190,6 @@ class KVCacheInputs:
     def batch(self) -> int:
         return self.query.shape[0]
 
-    sequence_count = batch
-
     @property
     def q_heads(self) -> int:
         return self.query.shape[1]

@@ -292,6 +292,26 @@ def backend_params(cases=CASES, dtypes=GRID_DTYPES, *, need_backward=False):
     return params
 
 
+def preset_params(presets: dict, dtypes, prepare_call):
+    """pytest params (backend, preset, dtype) for every preset of a serving call that a
+    backend's declarations serve; prepare_call(dtype, device, **preset) -> its inputs."""
+    params = []
+    for backend in dispatch.registry().values():
+        unavailable = backend.unavailable_reason()
+        if unavailable:
+            skip = pytest.mark.skip(reason=unavailable)
+            params.append(pytest.param(backend, None, None, marks=skip, id=backend.name))
+            continue
+        for preset, variant in presets.items():
+            for dtype in dtypes:
+                if not backend.capability_reasons(
+                    prepare_call(dtype, device_for(backend), **variant)
+                ):
+                    name = f"{backend.name}-{preset}-{DTYPE_NAMES[dtype]}"
+                    params.append(pytest.param(backend, preset, dtype, id=name))
+    return params
+
+
 @contextlib.contextmanager
 def torch_may_deviate(backend: Backend, case: Case, dtype: torch.dtype, which_pass: str):
     """A failed agreement is an xfail, naming torch's CPU path, where torch's own CPU kernel

@@ -6,11 +6,11 @@ import re
 
 import pytest
 import torch
-from cases import device_for
+from cases import device_for, preset_params
 
 import attnperf
 from attnperf import dispatch
-from attnperf.backend import DTYPE_NAMES, FEATURES
+from attnperf.backend import FEATURES
 from attnperf.kernels import numba_cpu
 from attnperf.serving import prepare_kvcache
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
@@ -108,20 +108,7 @@ def run(backend, call: dict, **options):
 
 
 def kvcache_params(dtypes):
-    params = []
-    for backend in dispatch.registry().values():
-        if backend.unavailable_reason():
-            reason = backend.unavailable_reason()
-            params.append(pytest.param(backend, None, None, marks=pytest.mark.skip(reason=reason),
-                                       id=backend.name))  # fmt: skip
-            continue
-        for preset, variant in PRESETS.items():
-            for dtype in dtypes:
-                inputs = prepare_kvcache(**cache_call(dtype, device_for(backend), **variant))
-                if not backend.capability_reasons(inputs):
-                    name = f"{backend.name}-{preset}-{DTYPE_NAMES[dtype]}"
-                    params.append(pytest.param(backend, preset, dtype, id=name))
-    return params
+    return preset_params(PRESETS, dtypes, lambda *a, **k: prepare_kvcache(**cache_call(*a, **k)))
 
 
 @pytest.mark.parametrize("backend, preset, dtype", kvcache_params((torch.float32, torch.bfloat16)))

@@ -3,11 +3,10 @@ reference (float64 and same precision): forward, LSE, gradients; and its bad inp
 
 import pytest
 import torch
-from cases import device_for
+from cases import device_for, preset_params
 
 import attnperf
 from attnperf import dispatch
-from attnperf.backend import DTYPE_NAMES
 from attnperf.kernels import numba_cpu
 from attnperf.serving import prepare_varlen
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
@@ -84,21 +83,7 @@ def per_sequence(fn, call: dict):
 
 
 def varlen_params(dtypes):
-    params = []
-    for backend in dispatch.registry().values():
-        if backend.unavailable_reason():
-            reason = backend.unavailable_reason()
-            params.append(pytest.param(backend, None, None, marks=pytest.mark.skip(reason=reason),
-                                       id=backend.name))  # fmt: skip
-            continue
-        for preset, variant in PRESETS.items():
-            for dtype in dtypes:
-                inputs = prepare_varlen(**packed_call(dtype, device_for(backend), **variant))
-                if backend.capability_reasons(inputs):
-                    continue
-                name = f"{backend.name}-{preset}-{DTYPE_NAMES[dtype]}"
-                params.append(pytest.param(backend, preset, dtype, id=name))
-    return params
+    return preset_params(PRESETS, dtypes, lambda *a, **k: prepare_varlen(**packed_call(*a, **k)))
 
 
 @pytest.mark.parametrize("backend, preset, dtype", varlen_params((torch.float32, torch.bfloat16)))
