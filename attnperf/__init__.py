@@ -11,10 +11,12 @@ from attnperf.api import (
 )
 from attnperf.dispatch import BackendNotSupportedError
 from attnperf.layouts import BlockMask, block_mask
+from attnperf.version import __version__
 
 __all__ = [
     "BackendNotSupportedError",
     "BlockMask",
+    "__version__",
     "attention",
     "attention_varlen",
     "attention_with_kvcache",
@@ -25,4 +27,3 @@ __all__ = [
     "merge_attention",
     "nn",
 ]
-__version__ = "0.1.0"

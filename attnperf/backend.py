@@ -179,7 +179,7 @@ class FusedAttention(torch.autograd.Function):
     def forward(launchers, inputs: AttentionInputs, query, key, value, attn_mask):
         out, stats = launchers[0](inputs)
         # Only when asked: a torch op between two numba kernels costs the second one (see
-        # numba_cpu._float32_array).
+        # attnperf.kernels.numba.launch.float32_array).
         lse = lse_from_stats(stats) if inputs.variant.return_lse else stats.new_empty(0)
         return out, lse, stats
 

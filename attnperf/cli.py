@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 
 import attnperf
-from attnperf import dispatch
-from attnperf.bench import BLOCK_MASKS, DOCUMENT_LENGTH, PEERS
+from attnperf import cpu_table, dispatch
+from attnperf.bench import serving, tune
+from attnperf.bench.report import (
+    FIT_NOTE,
+    build_report,
+    compare_to_baseline,
+    fit_rows,
+    left_out_note,
+    table_rows,
+    write_report,
+)
+from attnperf.bench.sweep import (
+    BLOCK_MASKS,
+    DOCUMENT_LENGTH,
+    PASSES,
+    PEERS,
+    BenchConfig,
+    run_sweep,
+)
+from attnperf.machine import cpu_description
 
 
 def info_table() -> str:
@@ -57,23 +77,21 @@ def smoke(device: str) -> int:
 QUICK_LENGTHS = (256, 512, 1024)
 
 
-def tune(args: argparse.Namespace) -> int:
+def tune_command(args: argparse.Namespace) -> int:
     """Measure numba against sdpa here and write the table that "auto" reads on CPU."""
     from rich.console import Console
     from rich.progress import Progress
 
-    from attnperf import tuning
-
     console = Console(width=None if sys.stdout.isatty() else 160)
-    lengths = tuple(args.lengths or tuning.LENGTHS)
-    jobs = len(tuning.SHAPES) * len(lengths) * 2 * 2 * 2
+    lengths = tuple(args.lengths or tune.LENGTHS)
+    jobs = len(tune.SHAPES) * len(lengths) * 2 * 2 * 2
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("tuning", total=jobs)
-        table = tuning.calibrate(
+        table = tune.calibrate(
             lengths, args.rounds, args.threads,
             lambda done: progress.update(task, advance=1, description=done),
         )  # fmt: skip
-    path = tuning.write_table(table, tuning.table_path())
+    path = tune.write_table(table)
     for rule in table["rules"]:
         kind = (f"E={rule['head_dim']}{' GQA' if rule['gqa'] else ''} "
                 f"{'causal' if rule['causal'] else 'full'} "
@@ -87,22 +105,9 @@ def tune(args: argparse.Namespace) -> int:
 
 def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     """Sweep, print the table and the growth fits, write the report folder."""
-    from pathlib import Path
-
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
-
-    from attnperf.bench import PASSES, BenchConfig, run_sweep
-    from attnperf.report import (
-        FIT_NOTE,
-        build_report,
-        compare_to_baseline,
-        fit_rows,
-        left_out_note,
-        table_rows,
-        write_report,
-    )
 
     config = BenchConfig(
         lengths=tuple(args.lengths or (QUICK_LENGTHS if args.quick else BenchConfig.lengths)),
@@ -168,17 +173,11 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
 
 def bench_serving(args: argparse.Namespace) -> int:
     """--decode and --varlen: the serving sweeps, printed and written to serving.json."""
-    import json
-    from pathlib import Path
-
     from rich.console import Console
     from rich.table import Table
 
-    from attnperf import bench_serving
-    from attnperf.machine import cpu_description
-
-    defaults = bench_serving.ServingConfig()
-    config = bench_serving.ServingConfig(
+    defaults = serving.ServingConfig()
+    config = serving.ServingConfig(
         decode_lengths=tuple(args.lengths or defaults.decode_lengths),
         batches=tuple(args.decode_batches or defaults.batches),
         heads=args.heads,
@@ -203,10 +202,10 @@ def bench_serving(args: argparse.Namespace) -> int:
 
     report = {"config": vars(config) | {"machine": cpu}}
     if args.decode:
-        result = bench_serving.decode_sweep(config, progress)
+        result = serving.decode_sweep(config, progress)
         report["decode"] = result
-        heads = (f"Hq={bench_serving.DECODE_HEADS}, H={bench_serving.DECODE_KV_HEADS}, "
-                 f"E={bench_serving.DECODE_HEAD_DIM}")  # fmt: skip
+        heads = (f"Hq={serving.DECODE_HEADS}, H={serving.DECODE_KV_HEADS}, "
+                 f"E={serving.DECODE_HEAD_DIM}")  # fmt: skip
         show(f"decode, one query token: {heads}; {where}; memory bandwidth (same run): read "
              f"{result['bandwidth_gbps']:.1f} GB/s (a sum), copy {result['copy_gbps']:.1f} "
              "GB/s (read + write)",
@@ -220,7 +219,7 @@ def bench_serving(args: argparse.Namespace) -> int:
              [(str(r["length"]), f"{r['one_pass_s'] * 1e3:.2f}", f"{r['split_s'] * 1e3:.2f}",
                f"{r['gain']:.2f}x") for r in result["split_k"]])  # fmt: skip
     if args.varlen:
-        result = bench_serving.varlen_sweep(config, progress)
+        result = serving.varlen_sweep(config, progress)
         report["varlen"] = result
         ratio = result["padded_squares"] / result["sum_squares"]
         show(f"varlen, causal, {config.sequences} sequences of {result['lengths']} tokens, "
@@ -275,8 +274,6 @@ def device_name(text: str) -> str:
 
 def check_output_folder(parser: argparse.ArgumentParser, out: str) -> None:
     """Fail before the sweep, not after it, when the report cannot be written."""
-    from pathlib import Path
-
     folder = Path(out)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -289,9 +286,6 @@ def check_output_folder(parser: argparse.ArgumentParser, out: str) -> None:
 
 def load_baseline(parser: argparse.ArgumentParser, path: str) -> dict:
     """A previous report.json, checked for the layout compare_to_baseline reads."""
-    import json
-    from pathlib import Path
-
     try:
         baseline = json.loads(Path(path).read_text())
         for entry in (b["extra_info"] for b in baseline["benchmarks"]):
@@ -368,20 +362,17 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.command == "info":
-        from attnperf import tuning
-        from attnperf.machine import cpu_description
-
         cpu = cpu_description()
         print(f"attnperf {attnperf.__version__}, torch {torch.__version__}")
         print(f"CPU: {cpu['cpu_model']}, {cpu['vector_isa']} (torch's kernels: "
               f"{cpu['torch_cpu_capability']}), {torch.get_num_threads()} threads")  # fmt: skip
         print(info_table())
-        print(f"auto on CPU: {tuning.active_rules()[1]}")
+        print(f"auto on CPU: {cpu_table.active_rules()[1]}")
         return 0
     if args.command == "tune":
         if args.threads:
             torch.set_num_threads(args.threads)
-        return tune(args)
+        return tune_command(args)
     if args.command == "bench":
         if args.kv_heads is not None and args.heads % args.kv_heads:
             parser.error(f"--kv-heads must divide --heads ({args.heads}), got {args.kv_heads}")

@@ -7,13 +7,14 @@ import importlib
 
 from torch import Tensor
 
+from attnperf import cpu_table
 from attnperf.backend import Backend
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels import BACKEND_MODULES
 from attnperf.serving import KVCacheInputs
 
 # Fastest first, per device; on CPU, numba goes first where this machine's measured table
-# (`attnperf tune`, attnperf.tuning) says it is faster, sdpa first everywhere else.
+# (`attnperf tune`, attnperf.cpu_table) says it is faster, sdpa first everywhere else.
 PRIORITY = {
     "cuda": ("triton", "sdpa", "reference"),
     "cpu": ("sdpa", "numba", "reference"),
@@ -37,12 +38,10 @@ def numba_leads_on_cpu(inputs: AttentionInputs) -> bool:
     forward-only calls, 1.00-1.10x causal, 0.96-1.14x with the backward, and mostly below
     0.95x at L <= 1024; other machines differ, which is why it is measured where it runs.
     """
-    from attnperf import tuning
-
     if inputs.features() & MASKED_BY_SDPA:
         return True
-    rules, _ = tuning.active_rules()
-    return bool(rules) and tuning.numba_leads(inputs, rules)
+    rules, _ = cpu_table.active_rules()
+    return bool(rules) and cpu_table.numba_leads(inputs, rules)
 
 
 class BackendNotSupportedError(RuntimeError):

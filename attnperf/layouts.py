@@ -5,11 +5,12 @@ partial, and the element masks of the partial ones only.
 h, q_idx, kv_idx) returns a bool tensor (True = attend) from index tensors that broadcast.
 It is evaluated one row of query blocks at a time, so building a layout never needs an
 L x S tensor; only partial blocks keep their element masks (O(L x block) for causal,
-sliding-window, document and prefix-LM layouts).
+sliding-window, document and prefix-LM layouts). `alibi_slopes(n)`: ALiBi's position slopes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -219,3 +220,17 @@ def prefix_lm(prefix_length: int) -> MaskFn:
     if isinstance(prefix_length, bool) or not isinstance(prefix_length, int) or prefix_length < 0:
         raise ValueError(f"prefix_length must be an int >= 0, got {prefix_length!r}")
     return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < prefix_length)
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """ALiBi's standard head slopes (Press et al.; BLOOM's, MPT's): 2^(-8 i / n) for i =
+    1..n when n is a power of 2, else those of the power of 2 below n and every other one
+    of the power above."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+
+    def power_of_2(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    below = 2 ** math.floor(math.log2(num_heads))
+    return power_of_2(below) + power_of_2(2 * below)[0::2][: num_heads - below]

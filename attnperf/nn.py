@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 
 import torch
@@ -11,7 +10,9 @@ from torch import Tensor, nn
 
 from attnperf.api import attention
 from attnperf.dispatch import check_name
+from attnperf.distributed import ring_attention
 from attnperf.inputs import check_softcap, check_window
+from attnperf.layouts import alibi_slopes
 
 
 class SelfAttention(nn.Module):
@@ -132,8 +133,6 @@ class SelfAttention(nn.Module):
 
     def _ring(self, q, k, v, attn_mask, key_padding_mask) -> Tensor:
         """Ring attention of this rank's shard: (batch, seq_local, heads, head_dim)."""
-        from attnperf.distributed import ring_attention
-
         if attn_mask is not None or key_padding_mask is not None:
             raise ValueError("context_parallel runs ring attention: no attn_mask or padding")
         group = None if self.context_parallel is True else self.context_parallel
@@ -175,17 +174,3 @@ class SelfAttention(nn.Module):
             for m in masks
         ]
         return functools.reduce(torch.add, bias)
-
-
-def alibi_slopes(num_heads: int) -> list[float]:
-    """ALiBi's standard head slopes (Press et al.; BLOOM's, MPT's): 2^(-8 i / n) for i =
-    1..n when n is a power of 2, else those of the power of 2 below n and every other one
-    of the power above."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
-
-    def power_of_2(n: int) -> list[float]:
-        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-
-    below = 2 ** math.floor(math.log2(num_heads))
-    return power_of_2(below) + power_of_2(2 * below)[0::2][: num_heads - below]

@@ -14,7 +14,7 @@ import torch
 
 import attnperf
 from attnperf import dispatch
-from attnperf.bench import BenchConfig, attention_flops
+from attnperf.bench.sweep import BenchConfig, attention_flops
 from attnperf.inputs import prepare
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

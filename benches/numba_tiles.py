@@ -12,7 +12,7 @@ import time
 import torch
 
 import attnperf
-from attnperf.kernels import numba_cpu
+from attnperf.kernels.numba import attention as numba_attention
 
 TILES = [(128, 512), (64, 256), (128, 256), (64, 512), (256, 512)]
 
@@ -28,7 +28,7 @@ def main() -> None:
             out.backward(grad_out)
 
     def timed(tile, causal, backward):
-        numba_cpu.BLOCK_M, numba_cpu.BLOCK_N = tile
+        numba_attention.BLOCK_M, numba_attention.BLOCK_N = tile
         start = time.perf_counter()
         call(causal, backward)
         return time.perf_counter() - start

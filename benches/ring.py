@@ -38,7 +38,7 @@ def whole_sequence(length: int, seed: int = 0) -> list[torch.Tensor]:
 
 def peak_extra_bytes(fn) -> int:
     """Peak resident memory added while fn runs (VmHWM reset through clear_refs)."""
-    from attnperf.bench import cpu_peak_extra_bytes
+    from attnperf.bench.sweep import cpu_peak_extra_bytes
 
     return cpu_peak_extra_bytes(fn) or 0
 

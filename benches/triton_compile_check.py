@@ -175,15 +175,19 @@ def serving_calls(quick: bool):
 
 
 def compile_serving_call(kind: str, call: dict) -> None:
-    from attnperf.kernels import triton_gpu
+    from attnperf.kernels.triton.attention import (
+        triton_attention_backward,
+        triton_attention_forward,
+    )
+    from attnperf.kernels.triton.kvcache import triton_kvcache_forward
     from attnperf.serving import prepare_kvcache, prepare_varlen
 
     if kind == "varlen":
         inputs = prepare_varlen(**call)
-        out, stats = triton_gpu.triton_attention_forward(inputs)
-        triton_gpu.triton_attention_backward(inputs, out, stats, torch.ones_like(out))
+        out, stats = triton_attention_forward(inputs)
+        triton_attention_backward(inputs, out, stats, torch.ones_like(out))
     else:
-        triton_gpu.triton_kvcache_forward(prepare_kvcache(**call))
+        triton_kvcache_forward(prepare_kvcache(**call))
 
 
 def main() -> int:
@@ -195,7 +199,10 @@ def main() -> int:
     compiled: list = []
     install_compile_only(args.arch, compiled, every_config=not args.quick)
     from attnperf.inputs import prepare
-    from attnperf.kernels import triton_gpu
+    from attnperf.kernels.triton.attention import (
+        triton_attention_backward,
+        triton_attention_forward,
+    )
 
     limit = SHARED_LIMIT[args.arch]
     failures = 0
@@ -206,8 +213,8 @@ def main() -> int:
             if kind == "attention":
                 variant = {k: v for k, v in call.items() if k not in ("q", "k", "v", "attn_mask")}
                 inputs = prepare(call["q"], call["k"], call["v"], call.get("attn_mask"), **variant)
-                out, stats = triton_gpu.triton_attention_forward(inputs)
-                triton_gpu.triton_attention_backward(inputs, out, stats, torch.ones_like(out))
+                out, stats = triton_attention_forward(inputs)
+                triton_attention_backward(inputs, out, stats, torch.ones_like(out))
             else:
                 compile_serving_call(kind, call)
         except Exception as error:  # a compiler error: report it, go on with the next call

@@ -15,7 +15,7 @@ import time
 import torch
 
 import attnperf
-from attnperf.nn import alibi_slopes
+from attnperf.layouts import alibi_slopes
 
 VARIANTS = {
     "causal": {},

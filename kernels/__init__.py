@@ -1,7 +1,9 @@
-"""Attention backends, one module each; installed as `attnperf.kernels`.
+"""Attention backends; installed as `attnperf.kernels`.
 
-Each module defines `BACKEND`, an `attnperf.backend.Backend`. Importing a module never
-imports an optional dependency's compiled code paths, compiles, or probes a device.
+`reference` and `sdpa` are one module each; `numba` and `triton` are packages with one
+module per concern (see their docstrings). Each module of BACKEND_MODULES defines `BACKEND`,
+an `attnperf.backend.Backend`. Importing a module never imports an optional dependency's
+compiled code paths, compiles, or probes a device.
 """
 
-BACKEND_MODULES = ("reference", "sdpa", "numba_cpu", "triton_gpu")
+BACKEND_MODULES = ("reference", "sdpa", "numba.backend", "triton.backend")

@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from attnperf.bench import BenchConfig, Measurement, attention_flops, fit_exponent, run_sweep
-from attnperf.report import (
+from attnperf.bench.report import (
     build_report,
     compare_to_baseline,
     left_out_note,
@@ -15,10 +14,11 @@ from attnperf.report import (
     table_rows,
     write_report,
 )
+from attnperf.bench.sweep import BenchConfig, Measurement, attention_flops, fit_exponent, run_sweep
 
 KNOWN_ALLOCATION = """
 import numpy as np, torch
-from attnperf.bench import cpu_peak_extra_bytes
+from attnperf.bench.sweep import cpu_peak_extra_bytes
 mib = 2**20
 print(cpu_peak_extra_bytes(lambda: torch.ones(64 * mib // 4)))
 print(cpu_peak_extra_bytes(lambda: np.ones(32 * mib // 8)))

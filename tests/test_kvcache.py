@@ -11,7 +11,7 @@ from cases import device_for, preset_params
 import attnperf
 from attnperf import dispatch
 from attnperf.backend import FEATURES
-from attnperf.kernels import numba_cpu
+from attnperf.kernels.numba import kvcache as numba_kvcache
 from attnperf.serving import prepare_kvcache
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
@@ -36,7 +36,7 @@ PRESETS = {
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """numba's key tiles of 16: the splits and pages hold several."""
-    monkeypatch.setattr(numba_cpu, "DECODE_BLOCK_N", 16)
+    monkeypatch.setattr(numba_kvcache, "DECODE_BLOCK_N", 16)
 
 
 def cache_call(dtype, device="cpu", q_len=1, new=1, cached=CACHED, seed=0, **variant) -> dict:
@@ -152,11 +152,11 @@ def test_split_k_splits_when_the_threads_would_idle():
     or above it: one pass."""
     q, cache = torch.zeros(2, 1, HEADS, HEAD_DIM), torch.zeros(2, 4096, KV_HEADS, HEAD_DIM)
     two = prepare_kvcache(q, cache, cache, 4096)  # an item per sequence, all heads in it
-    assert numba_cpu.kvcache_splits(two, threads=8) == 4
-    assert numba_cpu.kvcache_splits(two, threads=3) == 3  # 6 items: two rounds of 3
-    assert numba_cpu.kvcache_splits(two, threads=2) == 1
-    short = prepare_kvcache(q[:1], cache[:1], cache[:1], numba_cpu.MIN_SPLIT_KEYS * 2)
-    assert numba_cpu.kvcache_splits(short, threads=8) == 2
+    assert numba_kvcache.kvcache_splits(two, threads=8) == 4
+    assert numba_kvcache.kvcache_splits(two, threads=3) == 3  # 6 items: two rounds of 3
+    assert numba_kvcache.kvcache_splits(two, threads=2) == 1
+    short = prepare_kvcache(q[:1], cache[:1], cache[:1], numba_kvcache.MIN_SPLIT_KEYS * 2)
+    assert numba_kvcache.kvcache_splits(short, threads=8) == 2
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])

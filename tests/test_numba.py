@@ -15,7 +15,9 @@ from attnperf import dispatch
 from attnperf.inputs import prepare
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
-numba_cpu = pytest.importorskip("attnperf.kernels.numba_cpu")
+pytest.importorskip("numba")
+from attnperf.kernels.numba import attention, blas, launch
+
 if dispatch.registry()["numba"].unavailable_reason():
     pytest.skip(dispatch.registry()["numba"].unavailable_reason(), allow_module_level=True)
 
@@ -23,9 +25,9 @@ if dispatch.registry()["numba"].unavailable_reason():
 @pytest.fixture
 def small_tiles(monkeypatch):
     """8 x 16 tiles: the grid's short calls then span many query and key tiles."""
-    monkeypatch.setattr(numba_cpu, "BLOCK_M", 8)
-    monkeypatch.setattr(numba_cpu, "BANDED_BLOCK_M", 8)
-    monkeypatch.setattr(numba_cpu, "BLOCK_N", 16)
+    monkeypatch.setattr(attention, "BLOCK_M", 8)
+    monkeypatch.setattr(attention, "BANDED_BLOCK_M", 8)
+    monkeypatch.setattr(attention, "BLOCK_N", 16)
 
 
 @pytest.mark.parametrize("case", CASES + VARIANT_CASES, ids=lambda case: case.id)
@@ -62,10 +64,10 @@ def test_fused_and_two_pass_backward_agree(call, small_tiles):
                     "alibi_slopes": torch.rand(4, generator=gen), "block_mask": layout}  # fmt: skip
     inputs = prepare(q, k, v, attn_mask=mask, is_causal=call == "causal", enable_gqa=True,
                      **variants)  # fmt: skip
-    out, lse = numba_cpu.numba_attention_forward(inputs)
+    out, lse = attention.numba_attention_forward(inputs)
     grad_out = torch.randn(out.shape, generator=gen)
-    fused = numba_cpu.numba_attention_backward(inputs, out, lse, grad_out, fused=True)
-    two_pass = numba_cpu.numba_attention_backward(inputs, out, lse, grad_out, fused=False)
+    fused = attention.numba_attention_backward(inputs, out, lse, grad_out, fused=True)
+    two_pass = attention.numba_attention_backward(inputs, out, lse, grad_out, fused=False)
     for name, a, b in zip(("dq", "dk", "dv", "dmask"), fused, two_pass, strict=True):
         if b is None:
             assert a is None, name
@@ -76,7 +78,7 @@ def test_fused_and_two_pass_backward_agree(call, small_tiles):
 @pytest.mark.parametrize("trans_a", [False, True], ids=["a", "a.T"])
 @pytest.mark.parametrize("trans_b", [False, True], ids=["b", "b.T"])
 def test_gemm_on_strided_tile_views(trans_a, trans_b):
-    numba_cpu.setup()
+    blas.setup()
     rng = np.random.default_rng(0)
     a = rng.standard_normal((40, 50), dtype=np.float32)[3 : 8 + 3, 2 : 7 + 2]  # rows 8, cols 7
     a = a.T.copy()[:, :8] if trans_a else a  # op(a) is 8 x 7 either way
@@ -86,7 +88,7 @@ def test_gemm_on_strided_tile_views(trans_a, trans_b):
     c = c_full[:8, :5]
     expected = 0.5 * (a.T if trans_a else a) @ (b.T if trans_b else b) + 2.0 * c
     untouched = c_full.copy()
-    numba_cpu.gemm(a, b, c, 0.5, 2.0, trans_a, trans_b)
+    blas.gemm(a, b, c, 0.5, 2.0, trans_a, trans_b)
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-5)
     untouched[:8, :5] = c
     np.testing.assert_array_equal(c_full, untouched)  # nothing outside the view written
@@ -95,14 +97,14 @@ def test_gemm_on_strided_tile_views(trans_a, trans_b):
 def test_blas_choice_names_the_variable(monkeypatch):
     monkeypatch.setenv("ATTNPERF_NUMBA_BLAS", "mkl-please")
     with pytest.raises(ValueError, match="ATTNPERF_NUMBA_BLAS must be one of"):
-        numba_cpu.setup.__wrapped__()  # raises before binding anything
+        blas.setup.__wrapped__()  # raises before binding anything
 
 
 OPENBLAS_CHECK = """
 import torch
 from cases import output_and_gradients
 from attnperf import attention
-from attnperf.kernels import numba_cpu
+from attnperf.kernels.numba import blas
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
 gen = torch.Generator().manual_seed(0)
@@ -125,7 +127,7 @@ for causal in (False, True):
     assert_agrees(actual_out, exact_out, baseline_out, what="out")
     for name in actual:
         assert_agrees(actual[name], exact[name], baseline[name], what="d" + name)
-print(numba_cpu.setup()[0])
+print(blas.setup()[0])
 """
 
 
@@ -143,10 +145,10 @@ def test_scipy_openblas_serves_when_asked():
 def test_fp32_views_are_read_in_place_and_other_layouts_copied():
     blhe = torch.randn(2, 300, 4, 32)
     in_place = blhe.transpose(1, 2)  # (B, H, L, E) with unit stride along E
-    assert np.shares_memory(numba_cpu._fp32(in_place), blhe.numpy())
+    assert np.shares_memory(launch.as_fp32(in_place), blhe.numpy())
     one_row_repeated = in_place[:, :, :1].expand(2, 4, 300, 32)  # row stride 0
     for copied in (in_place.transpose(-1, -2), in_place.half(), one_row_repeated):
-        array = numba_cpu._fp32(copied)
+        array = launch.as_fp32(copied)
         assert array.dtype == np.float32 and array.flags.c_contiguous
         np.testing.assert_array_equal(array, copied.float().numpy())
 
@@ -156,4 +158,4 @@ def test_fp32_views_are_read_in_place_and_other_layouts_copied():
     [(1, 1, True), (1, 2, False), (2, 2, True), (3, 2, True), (5, 4, False), (8, 2, True)],
 )
 def test_backward_schedule_follows_thread_occupancy(items, threads, fused):
-    assert numba_cpu.fused_backward_pays(items, threads) is fused
+    assert attention.fused_backward_pays(items, threads) is fused

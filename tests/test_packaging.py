@@ -29,6 +29,13 @@ def test_wheel_maps_kernels_under_attnperf(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "attnperf/kernels/reference.py" in names
     assert not [name for name in names if name.startswith("kernels/")]
+    # Every module of the tree, the kernel packages' too (a package left out of pyproject's
+    # list would be missing from a regular install only).
+    sources = {
+        f"attnperf/kernels/{path.relative_to(REPO / 'kernels').as_posix()}"
+        for path in (REPO / "kernels").rglob("*.py")
+    } | {path.relative_to(REPO).as_posix() for path in (REPO / "attnperf").rglob("*.py")}
+    assert sorted(sources - set(names)) == []
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     result = subprocess.run(

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from attnperf import dispatch, tuning
+from attnperf import cpu_table, dispatch
+from attnperf.bench import tune
 from attnperf.inputs import prepare
 
 
@@ -16,10 +17,10 @@ def cache(tmp_path, monkeypatch):
     """An empty cache directory, the measured machine's 2 threads, no table read yet."""
     monkeypatch.setenv("ATTNPERF_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    tuning.load_table.cache_clear()
-    tuning._mismatch_warned.cache_clear()
+    cpu_table.load_table.cache_clear()
+    cpu_table._mismatch_warned.cache_clear()
     yield tmp_path
-    tuning.load_table.cache_clear()
+    cpu_table.load_table.cache_clear()
 
 
 def measured_table(**changes):
@@ -31,8 +32,9 @@ def measured_table(**changes):
         for causal in (False, True)
         for backward in (False, True)
     ]  # fmt: skip
-    table = {"schema": tuning.SCHEMA, "measured": "today", "fingerprint": tuning.fingerprint(),
-             "lengths": [1024, 2048], "rounds": 1, "rules": rules}  # fmt: skip
+    table = {"schema": cpu_table.SCHEMA, "measured": "today",
+             "fingerprint": cpu_table.fingerprint(), "lengths": [1024, 2048], "rounds": 1,
+             "rules": rules}  # fmt: skip
     table.update(changes)
     return table
 
@@ -65,14 +67,14 @@ def order(tensors, options):
 
 @pytest.mark.parametrize("call, numba_first", CALLS.values(), ids=CALLS.keys())
 def test_auto_follows_the_measured_table(call, numba_first, cache):
-    tuning.write_table(measured_table(), cache / tuning.FILE_NAME)
+    tune.write_table(measured_table(), cache / cpu_table.FILE_NAME)
     assert order(*call) == (("numba", "sdpa") if numba_first else ("sdpa", "numba"))
 
 
 def test_without_a_table_cpu_calls_go_to_sdpa_first(cache):
     for call, _ in CALLS.values():
         assert order(*call) == ("sdpa", "numba")
-    assert "built-in default" in tuning.active_rules()[1]
+    assert "built-in default" in cpu_table.active_rules()[1]
 
 
 INVALID = {
@@ -80,15 +82,15 @@ INVALID = {
     "other-schema": (json.dumps(measured_table(schema=0)), "schema 0"),
     "malformed-rules": (json.dumps(measured_table(rules=[{"head_dim": 64}])), "malformed"),
     "another-cpu": (
-        json.dumps(measured_table(fingerprint={**tuning.fingerprint(), "cpu_model": "Other"})),
+        json.dumps(measured_table(fingerprint={**cpu_table.fingerprint(), "cpu_model": "Other"})),
         "measured with cpu_model 'Other'",
     ),
     "other-threads": (
-        json.dumps(measured_table(fingerprint={**tuning.fingerprint(), "threads": 64})),
+        json.dumps(measured_table(fingerprint={**cpu_table.fingerprint(), "threads": 64})),
         "measured with threads 64",
     ),
     "stale-versions": (
-        json.dumps(measured_table(fingerprint={**tuning.fingerprint(),
+        json.dumps(measured_table(fingerprint={**cpu_table.fingerprint(),
                                                "versions": {"attnperf": "0.0.1"}})),
         "measured with versions",
     ),
@@ -97,11 +99,11 @@ INVALID = {
 
 @pytest.mark.parametrize("text, warning", INVALID.values(), ids=INVALID.keys())
 def test_an_invalid_table_is_ignored_with_a_warning(text, warning, cache):
-    (cache / tuning.FILE_NAME).write_text(text)
+    (cache / cpu_table.FILE_NAME).write_text(text)
     call, _ = CALLS["causal-2048"]
     with pytest.warns(RuntimeWarning, match=warning):
         assert order(*call) == ("sdpa", "numba")
-    assert "built-in default" in tuning.active_rules()[1]
+    assert "built-in default" in cpu_table.active_rules()[1]
 
 
 @pytest.mark.parametrize(
@@ -114,19 +116,19 @@ def test_an_invalid_table_is_ignored_with_a_warning(text, warning, cache):
     ],
 )
 def test_numba_first_from_the_length_where_it_stays_faster(ratios, expected):
-    assert tuning.numba_from(ratios) == expected
+    assert tune.numba_from(ratios) == expected
 
 
 def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
     """End to end at tiny lengths: the command measures, writes, and info reports it."""
     env = {"ATTNPERF_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    tune = [sys.executable, "-m", "attnperf", "tune", "--lengths", "64", "128", "--rounds", "1"]
-    result = subprocess.run(tune, capture_output=True, text=True, env=env, timeout=600,
+    command = [sys.executable, "-m", "attnperf", "tune", "--lengths", "64", "128", "--rounds", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600,
                             check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    table = json.loads((tmp_path / tuning.FILE_NAME).read_text())
-    assert len(table["rules"]) == len(tuning.SHAPES) * 4
+    table = json.loads((tmp_path / cpu_table.FILE_NAME).read_text())
+    assert len(table["rules"]) == len(tune.SHAPES) * 4
     assert all(set(rule["ratios"]) == {"64", "128"} for rule in table["rules"])
     info = subprocess.run([sys.executable, "-m", "attnperf", "info"], capture_output=True,
                           text=True, env=env, timeout=300, check=False)  # fmt: skip
-    assert f"measured table {tmp_path / tuning.FILE_NAME}" in info.stdout
+    assert f"measured table {tmp_path / cpu_table.FILE_NAME}" in info.stdout

@@ -7,7 +7,7 @@ from cases import device_for, preset_params
 
 import attnperf
 from attnperf import dispatch
-from attnperf.kernels import numba_cpu
+from attnperf.kernels.numba import attention as numba_attention
 from attnperf.serving import prepare_varlen
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
@@ -35,9 +35,9 @@ PRESETS = {
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """numba's tiles of 8 x 16: every sequence spans several."""
-    monkeypatch.setattr(numba_cpu, "BLOCK_M", 8)
-    monkeypatch.setattr(numba_cpu, "BANDED_BLOCK_M", 8)
-    monkeypatch.setattr(numba_cpu, "BLOCK_N", 16)
+    monkeypatch.setattr(numba_attention, "BLOCK_M", 8)
+    monkeypatch.setattr(numba_attention, "BANDED_BLOCK_M", 8)
+    monkeypatch.setattr(numba_attention, "BLOCK_N", 16)
 
 
 def packed_call(dtype, device="cpu", seed=0, q_lens=Q_LENS, k_lens=K_LENS, **variant) -> dict:

@@ -1,7 +1,7 @@
 """Serving benchmarks: KV-cache decoding (`attnperf bench --decode`) and packed batches of
 variable-length sequences (`attnperf bench --varlen`).
 
-As in attnperf.bench, each contender runs in its own spawned worker process and the workers
+As in attnperf.bench.sweep, each contender runs in its own spawned worker process and the workers
 take turns round by round (the order reversed every other round), so that the ratios are
 measured in the same run; a time is the median of the rounds. Each turn first pauses
 SETTLE_S, so that the previous contender's OpenMP threads, which spin for a while after
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnperf import bench
+import attnperf
+from attnperf.bench import sweep
 
 # Llama-3-8B's attention: 32 query heads over 8 key/value heads of 128 dims.
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
@@ -55,18 +56,18 @@ class Contender:
 
 def _set_up(make_call: Callable[[], Callable[[], object]]) -> float:
     """In a worker: build the call, run it once (returns that time) and once more, and
-    leave it ready for bench.time_turn."""
+    leave it ready for sweep.time_turn."""
     call = make_call()
-    timer = bench._timer("cpu")
+    timer = sweep.make_timer("cpu")
     first = timer(call)
     timer(call)
-    bench._READY = (timer, call)
+    sweep.set_ready(timer, call)
     return first
 
 
 def race(config: ServingConfig, calls: dict[str, Callable]) -> dict[str, Contender]:
     """Time each call (a picklable factory of the call) in its own worker, in turns."""
-    workers = {label: bench._start_worker(config, memory=False) for label in calls}
+    workers = {label: sweep.start_worker(config, memory=False) for label in calls}
     results = {label: Contender(label) for label in calls}
     try:
         for label, make_call in calls.items():
@@ -75,7 +76,7 @@ def race(config: ServingConfig, calls: dict[str, Callable]) -> dict[str, Contend
         for round_ in range(config.rounds):
             for label in labels if round_ % 2 == 0 else labels[::-1]:
                 time.sleep(SETTLE_S)
-                results[label].times_s.append(workers[label].submit(bench.time_turn).result())
+                results[label].times_s.append(workers[label].submit(sweep.time_turn).result())
     finally:
         for worker in workers.values():
             worker.shutdown()
@@ -92,8 +93,6 @@ class DecodeCall:
         self.args = (backend, batch, length, heads, kv_heads, head_dim, num_splits)
 
     def __call__(self) -> Callable[[], object]:
-        import attnperf
-
         backend, batch, length, heads, kv_heads, head_dim, num_splits = self.args
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(batch, 1, heads, head_dim, generator=gen)
@@ -176,8 +175,6 @@ class VarlenCall:
         self.args = (backend, layout, lengths, heads, head_dim, backward)
 
     def __call__(self) -> Callable[[], object]:
-        import attnperf
-
         backend, layout, lengths, heads, head_dim, backward = self.args
         gen = torch.Generator().manual_seed(0)
         total, longest, count = sum(lengths), max(lengths), len(lengths)

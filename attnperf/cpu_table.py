@@ -1,39 +1,31 @@
-"""`attnperf tune`: numba against sdpa measured on this machine, as the table "auto" reads.
+"""The measured CPU table that "auto" reads: numba first for a call class from a length on.
 
 CPU kernels' relative speed depends on the CPU (AVX2 or AVX-512, cache sizes, cores), so the
-choice between numba and sdpa is measured where it is made. `calibrate` times both on the
-call classes that matter (causal or not, forward or with backward, head dims 64 and 128,
-grouped-query or not, L = S from 1024 up) in processes of their own (`attnperf.bench`), and
-`write_table` stores, per class, the shortest length from which numba was at least as fast
-as sdpa at that length and every longer one measured. The file lives in the user's cache
-directory with what it was measured on: CPU model, ISA flags, thread count, package
-versions. "auto" reads it only where all of these match this process; otherwise, or
-without a file, CPU calls go to sdpa first (the conservative default). A file that cannot
-be read, or was measured elsewhere, is ignored with a warning, never an error.
+choice between numba and sdpa is measured where it is made (`attnperf tune`, the tooling's
+attnperf.bench.tune) and read here. The file lives in the user's cache directory with what it
+was measured on: CPU model, ISA flags, thread count, package versions. "auto" reads it only
+where all of these match this process; otherwise, or without a file, CPU calls go to sdpa
+first (the conservative default). A file that cannot be read, or was measured elsewhere, is
+ignored with a warning, never an error.
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import os
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from attnperf.inputs import AttentionInputs
 from attnperf.machine import cpu_description
+from attnperf.version import __version__
 
 SCHEMA = 1
 FILE_NAME = "cpu-dispatch.json"
-# (heads, kv heads, head dim) of the measured classes: multi-head at head dims 64 and 128,
-# and grouped-query (4 query heads per kv head) at 64.
-SHAPES = ((8, 8, 64), (4, 4, 128), (8, 2, 64))
-LENGTHS = (1024, 2048, 4096)
 
 
 def table_path() -> Path:
@@ -52,8 +44,6 @@ def fingerprint(threads: int | None = None) -> dict:
 
 @functools.cache  # "auto" compares it on every CPU call while a table is in force
 def _fingerprint(threads: int) -> dict:
-    import attnperf
-
     try:
         import numba
 
@@ -66,7 +56,7 @@ def _fingerprint(threads: int) -> dict:
         "isa_flags": cpu["isa_flags"],
         "torch_cpu_capability": cpu["torch_cpu_capability"],
         "threads": threads,
-        "versions": {"attnperf": attnperf.__version__, "torch": torch.__version__,
+        "versions": {"attnperf": __version__, "torch": torch.__version__,
                      "numba": numba_version},
     }  # fmt: skip
 
@@ -82,64 +72,6 @@ class Rule:
     backward: bool
     numba_from: int | None
     ratios: dict[int, float]  # numba's speed / sdpa's, same run, per length
-
-
-def numba_from(ratios: dict[int, float]) -> int | None:
-    """The shortest length from which numba was at least as fast at every longer length."""
-    start = None
-    for length in sorted(ratios, reverse=True):
-        if ratios[length] < 1.0:
-            break
-        start = length
-    return start
-
-
-def calibrate(
-    lengths: tuple[int, ...] = LENGTHS,
-    rounds: int = 5,
-    threads: int | None = None,
-    on_progress: Callable[[str], None] | None = None,
-) -> dict:
-    """Time numba and sdpa over the classes; the table (not yet written)."""
-    from attnperf.bench import PASSES, BenchConfig, run_sweep
-
-    threads = threads or torch.get_num_threads()
-    rules = []
-    for heads, kv_heads, head_dim in SHAPES:
-        config = BenchConfig(
-            lengths=tuple(lengths), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            causal=(False, True), passes=PASSES, backends=("sdpa", "numba"), rounds=rounds,
-            threads=threads, memory=False,
-        )  # fmt: skip
-        points = run_sweep(config, on_progress)
-        medians = {(p.backend, p.length, p.causal, p.pass_): p.median_s for p in points}
-        for causal in (False, True):
-            for pass_ in PASSES:
-                ratios = {}
-                for length in lengths:
-                    sdpa = medians.get(("sdpa", length, causal, pass_))
-                    numba = medians.get(("numba", length, causal, pass_))
-                    if sdpa and numba:
-                        ratios[length] = round(sdpa / numba, 3)
-                rule = Rule(head_dim, kv_heads != heads, causal, pass_ != "forward",
-                            numba_from(ratios), ratios)  # fmt: skip
-                rules.append(asdict(rule))
-    return {
-        "schema": SCHEMA,
-        "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "fingerprint": fingerprint(threads),
-        "lengths": list(lengths),
-        "rounds": rounds,
-        "rules": rules,
-    }
-
-
-def write_table(table: dict, path: Path | None = None) -> Path:
-    path = path or table_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    load_table.cache_clear()
-    return path
 
 
 def _rules(table: dict) -> list[Rule]:

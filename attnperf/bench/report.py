@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from attnperf.bench import BenchConfig, Measurement, fit_exponent
+from attnperf.bench.sweep import BenchConfig, Measurement, fit_exponent
 from attnperf.machine import cpu_description
 
 PEER = "sdpa"

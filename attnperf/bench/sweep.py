@@ -27,6 +27,11 @@ from multiprocessing import get_context
 
 import torch
 
+import attnperf
+from attnperf import dispatch, layouts
+from attnperf.inputs import prepare
+from attnperf.kernels.sdpa import sdpa_mask
+
 # glibc's adaptive mmap threshold would serve a repeated large allocation from the already
 # resident heap, hiding it from the RSS high-water mark: a fixed threshold keeps every
 # block >= 64 KiB in its own mapping, which is returned to the system when freed.
@@ -117,8 +122,6 @@ def attention_flops(config: BenchConfig, length: int, causal: bool, pass_: str) 
 
 def mask_fn(config: BenchConfig, length: int):
     """The `mask_fn` of the sweep's --block-mask at this length."""
-    from attnperf import layouts
-
     if config.block_mask == "causal":
         return layouts.causal()
     if config.block_mask == "sliding":
@@ -133,9 +136,7 @@ def mask_fn(config: BenchConfig, length: int):
 def block_layout(config: BenchConfig, length: int):
     """The sweep's BlockMask at this length (same for every batch and head), built once per
     process: the FLOP count and the call both need it."""
-    from attnperf import block_mask
-
-    return block_mask(mask_fn(config, length), None, None, length, length)
+    return attnperf.block_mask(mask_fn(config, length), None, None, length, length)
 
 
 def variant_kwargs(config: BenchConfig, length: int) -> dict:
@@ -146,9 +147,9 @@ def variant_kwargs(config: BenchConfig, length: int) -> dict:
     if config.softcap is not None:
         kwargs["softcap"] = config.softcap
     if config.alibi:
-        from attnperf.nn import alibi_slopes
-
-        kwargs["alibi_slopes"] = torch.tensor(alibi_slopes(config.heads), device=config.device)
+        kwargs["alibi_slopes"] = torch.tensor(
+            layouts.alibi_slopes(config.heads), device=config.device
+        )
     if config.block_mask is not None:
         kwargs["block_mask"] = block_layout(config, length).to(config.device)
     return kwargs
@@ -194,7 +195,7 @@ def cuda_peak_extra_bytes(fn: Callable[[], object]) -> int:
 
 
 # ---------------------------------------------------------------------------- one point
-def _timer(device: str) -> Callable[[Callable[[], object]], float]:
+def make_timer(device: str) -> Callable[[Callable[[], object]], float]:
     if device.startswith("cuda"):
 
         def cuda_time(fn):
@@ -220,9 +221,7 @@ def measure_point(
 ) -> Measurement:
     """Set up one point in this process: its first call and a warm-up call, then with
     `memory` its peak extra memory; else it stays ready for `time_turn`."""
-
-    global _READY
-    _READY = None
+    set_ready(None)
     point = Measurement(backend, length, causal, pass_)
     point.flops = attention_flops(config, length, causal, pass_)
     if backend == "triton" and not config.device.startswith("cuda"):
@@ -257,7 +256,7 @@ def measure_point(
             out.backward(grad_out)
         return out
 
-    timer = _timer(config.device)
+    timer = make_timer(config.device)
     try:
         point.first_call_s = timer(call)
     except Exception as error:  # a peer's failure is reported; a backend's is a bug: raised
@@ -270,7 +269,7 @@ def measure_point(
         peak = cuda_peak_extra_bytes if config.device.startswith("cuda") else cpu_peak_extra_bytes
         point.peak_extra_bytes = peak(call)
     else:
-        _READY = (timer, call)
+        set_ready(timer, call)
     return point
 
 
@@ -280,17 +279,11 @@ def backend_call(backend: str, q, k, v, causal: bool, gqa: bool, variant: dict):
     sdpa's peer call gets the variant as a user of SDPA would pass it: a mask materialised
     once, before the timed calls (its build is not timed; its memory is reported apart).
     """
-    import attnperf
-    from attnperf import dispatch
-    from attnperf.inputs import prepare
-
     inputs = prepare(q, k, v, is_causal=causal, enable_gqa=gqa, **variant)
     reasons = dispatch.registry()[backend].not_supported_reasons(inputs)
     if reasons:
         return None, "; ".join(reasons)
     if backend == "sdpa":
-        from attnperf.kernels.sdpa import sdpa_mask
-
         mask, is_causal = sdpa_mask(inputs)  # built here, once, not in the timed calls
         attend = lambda q, k, v: attnperf.attention(  # noqa: E731
             q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa, backend="sdpa"
@@ -364,6 +357,12 @@ def flex_peer(config: BenchConfig, length: int, causal: bool, backward: bool, va
 _READY: tuple[Callable, Callable] | None = None  # the worker's point set up for timing
 
 
+def set_ready(timer: Callable | None, call: Callable | None = None) -> None:
+    """Leave `call` (timed by `timer`) ready for time_turn in this worker; None: nothing."""
+    global _READY
+    _READY = None if timer is None else (timer, call)
+
+
 def time_turn() -> float:
     """One turn at the point that measure_point set up in this worker: a call to wake this
     process's thread pools and caches after the other backends' turns, then the timed call
@@ -377,7 +376,7 @@ def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _start_worker(config: BenchConfig, memory: bool) -> ProcessPoolExecutor:
+def start_worker(config: BenchConfig, memory: bool) -> ProcessPoolExecutor:
     """A fresh spawned process (WORKER_ENV set in it when it measures memory)."""
     saved = {name: os.environ.get(name) for name in WORKER_ENV}
     if memory:
@@ -403,8 +402,6 @@ def run_sweep(
     config: BenchConfig, on_progress: Callable[[str], None] | None = None
 ) -> list[Measurement]:
     """Every point of the sweep; `on_progress` hears of each finished job (2 per point)."""
-    from attnperf import dispatch
-
     backends = config.backends or tuple(dispatch.registry())
     points = [
         (length, causal, pass_)
@@ -417,7 +414,7 @@ def run_sweep(
         if on_progress:
             on_progress(f"{point.backend} L={point.length} {point.pass_} ({phase})")
 
-    timers = {backend: _start_worker(config, memory=False) for backend in backends}
+    timers = {backend: start_worker(config, memory=False) for backend in backends}
     timed = {}
     try:
         for spec in points:
@@ -445,7 +442,7 @@ def run_sweep(
         return [timed[backend, spec] for backend in backends for spec in points]
     results = []
     for backend in backends:
-        watcher = _start_worker(config, memory=True)
+        watcher = start_worker(config, memory=True)
         try:
             for spec in points:
                 memory_point = watcher.submit(measure_point, config, backend, *spec, True).result()

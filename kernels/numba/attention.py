@@ -1,0 +1,378 @@
+"""Attention forward and backward: the online-softmax forward over tiles, FlashAttention-2's
+recomputing backward (a dq pass and a dk/dv pass, or one fused pass), and their launchers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnperf.inputs import AttentionInputs
+from attnperf.kernels.numba.blas import gemm
+from attnperf.kernels.numba.fastmath import LOG2E, exp2_shifted, row_maximum
+from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
+from attnperf.kernels.numba.launch import as_fp32, as_numpy, float32_array, run_parallel
+from attnperf.kernels.numba.variant import (
+    SKIP,
+    key_tiles,
+    longest,
+    lower_variant,
+    modify_scores,
+    query_range,
+    sequence,
+    tile_structure,
+)
+
+# Tile sizes: of 64/128/256 x 128/256/512, 128 x 512 was as fast as any, causal or not,
+# forward or backward, at L = 2048 and 4096 on a 2-core AVX-512 machine (same-run ratios to
+# sdpa); square tiles lost up to 30% causal too: a causal query tile stops its last key tile
+# at its own diagonal, so wide key tiles waste at most a triangle.
+BLOCK_M = 128
+BLOCK_N = 512
+# A band bounded on both sides (a sliding window): a tile sees its rows' window plus a
+# triangle on each side, which smaller tiles shrink. Forward: 64 x 512 was 5-25% faster
+# than 128 x 512 at windows of 128 to 1024 keys, L = 8192 (64 x 256 no better). Backward,
+# which walks a key tile's query rows: 64 x 128 was 1.5-1.9x faster than 64 x 512 at
+# windows of 256 and 1024, L = 4096 (of 32/64/128 x 128/256/512).
+BANDED_BLOCK_M = 64
+BANDED_BACKWARD_BLOCK_N = 128
+
+
+@njit(fastmath=FASTMATH)
+def online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift):
+    """The online softmax's step before acc += P V: s[:rows, :cols] <- P = 2 ** (s - the
+    rows' new max), their max and sum updated, acc rescaled to the new max."""
+    for r in range(rows):
+        new_max = row_maximum(s[r], cols, row_max[r])
+        # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
+        shift[r] = new_max if new_max != -np.inf else 0.0
+        alpha = 2.0 ** (row_max[r] - shift[r]) if row_max[r] != -np.inf else 0.0
+        row_max[r] = new_max
+        row_sum[r] = row_sum[r] * alpha + exp2_shifted(s[r], cols, shift[r], 1.0)
+        for e in range(acc.shape[1]):
+            acc[r, e] *= alpha
+
+
+@njit(fastmath=FASTMATH)
+def online_softmax_tiles(
+    q_tile, k, v, variant, b, h, i0, rows, kv_len, scale2, block_n, s, acc, row_max, row_sum,
+    shift,
+):  # fmt: skip
+    """The online softmax (unnormalised acc, row_max, row_sum, shift) of query rows i0 ..
+    i0 + rows - 1 (q_tile) of head h, over the key tiles they see of k, v (S, E)."""
+    no_dtanh = np.empty((0, 0), np.float32)
+    for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+        gemm(q_tile, k[j0 : j0 + cols], s[:, :cols], scale2, 0.0, False, True)
+        modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
+        online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
+        gemm(s[:, :cols], v[j0 : j0 + cols], acc, 1.0, 1.0, False, False)
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n):
+    """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
+    2 ** (score - max); fp32 q, k, v with unit stride along E."""
+    q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], v.shape[3]
+    group = q_heads // kv_heads
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
+    scale2 = scale * LOG2E
+    for item in prange(variant[4].shape[0] * q_heads * q_tiles):
+        b, h, tile = split_index(item, q_heads, q_tiles)
+        slot, q0, q_len, k0, kv_len = sequence(variant, b)
+        i0 = tile * block_m
+        rows = min(block_m, q_len - i0)
+        if rows <= 0:  # past this sequence's end
+            continue
+        s = np.empty((rows, block_n), np.float32)
+        acc = np.zeros((rows, value_dim), np.float32)
+        row_max = np.full(rows, -np.inf, np.float32)
+        row_sum = np.zeros(rows, np.float32)
+        shift = np.zeros(rows, np.float32)
+        hk = h // group
+        online_softmax_tiles(
+            q[slot, h, q0 + i0 : q0 + i0 + rows], k[slot, hk, k0 : k0 + kv_len],
+            v[slot, hk, k0 : k0 + kv_len], variant, b, h, i0, rows, kv_len, scale2, block_n, s,
+            acc, row_max, row_sum, shift,
+        )  # fmt: skip
+        for r in range(rows):
+            # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
+            inv = 1.0 / row_sum[r] if row_sum[r] != 0 else 0.0
+            for e in range(value_dim):
+                out[slot, h, q0 + i0 + r, e] = acc[r, e] * inv
+            stats[slot, h, q0 + i0 + r, 0] = shift[r]
+            stats[slot, h, q0 + i0 + r, 1] = row_sum[r]
+
+
+@njit(fastmath=FASTMATH)
+def probabilities(q_tile, k_tile, p, dtanh, variant, b, h, i0, j0, structure, scale2, stats):
+    """p[:rows, :cols] <- P of one (query tile, key tile), from the rows' saved max and sum
+    (stats[i0:i0 + rows]): kept apart, they hold the sum where max + log2(sum) would round
+    it away (scores near finfo.min). With a softcap, dtanh <- its gradient factor.
+
+    `p` is a C-contiguous buffer: its rows are C-contiguous too, which the exp2 loop needs
+    to vectorise (a [:rows, :cols] view's rows are not typed so).
+    """
+    rows, cols = q_tile.shape[0], k_tile.shape[0]
+    gemm(q_tile, k_tile, p[:rows, :cols], scale2, 0.0, False, True)
+    modify_scores(p, variant, b, h, i0, j0, rows, cols, structure, dtanh)
+    for r in range(rows):
+        total = stats[i0 + r, 1]
+        exp2_shifted(p[r], cols, stats[i0 + r, 0], 1.0 / total if total != 0 else 0.0)
+
+
+@njit(fastmath=FASTMATH)
+def score_gradients(p, dp, delta, rows, cols):
+    """dp <- dS = P * (dP - delta) on [:rows, :cols] of C-contiguous buffers: the gradient
+    of the final scores (a float mask's gradient)."""
+    for r in range(rows):
+        d = delta[r]
+        p_row, dp_row = p[r], dp[r]
+        for c in range(cols):
+            dp_row[c] = p_row[c] * (dp_row[c] - d)
+
+
+@njit(fastmath=FASTMATH)
+def through_softcap(ds, dtanh, rows, cols):
+    """ds <- ds * (1 - tanh^2): the gradient of the scores before the softcap."""
+    for r in range(rows):
+        ds_row, factor = ds[r], dtanh[r]
+        for c in range(cols):
+            ds_row[c] *= factor[c]
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def attention_backward_dq(
+    q, k, v, variant, scale, stats, grad_out, delta, dq, dmask, block_m, block_n
+):
+    """dq += (and the float mask's gradient dS into dmask, unless it is empty) per query
+    tile."""
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    group = q_heads // kv_heads
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
+    scale2 = scale * LOG2E
+    want_dmask = dmask.shape[0] > 0
+    softcapped = variant[5] != 0
+    for item in prange(variant[4].shape[0] * q_heads * q_tiles):
+        b, h, tile = split_index(item, q_heads, q_tiles)
+        slot, q0, q_len, k0, kv_len = sequence(variant, b)
+        hk = h // group
+        i0 = tile * block_m
+        rows = min(block_m, q_len - i0)
+        if rows <= 0:  # past this sequence's end
+            continue
+        q_tile = q[slot, h, q0 + i0 : q0 + i0 + rows]
+        do_tile = grad_out[slot, h, q0 + i0 : q0 + i0 + rows]
+        p_buffer = np.empty((rows, block_n), np.float32)
+        ds_buffer = np.empty((rows, block_n), np.float32)
+        dtanh = np.empty((rows if softcapped else 0, block_n), np.float32)
+        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+            k_tile = k[slot, hk, k0 + j0 : k0 + j0 + cols]
+            v_tile = v[slot, hk, k0 + j0 : k0 + j0 + cols]
+            ds = ds_buffer[:, :cols]
+            probabilities(
+                q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
+                stats[slot, h, q0 : q0 + q_len],
+            )  # fmt: skip
+            gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
+            score_gradients(
+                p_buffer, ds_buffer, delta[slot, h, q0 + i0 : q0 + i0 + rows], rows, cols
+            )
+            if want_dmask:  # plain calls only: slot b, no row offsets
+                dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
+            if softcapped:
+                through_softcap(ds_buffer, dtanh, rows, cols)
+            gemm(ds, k_tile, dq[slot, h, q0 + i0 : q0 + i0 + rows], scale, 1.0, False, False)
+
+
+@njit(fastmath=FASTMATH)
+def key_tile_gradients(
+    q, k, v, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask,
+    b, hk, j0, cols, block_m, p_buffer, ds_buffer, dtanh, with_dq,
+):  # fmt: skip
+    """dk, dv += those of keys j0..j0+cols of head hk, over the query heads of its group.
+
+    With `with_dq`, also dq += dS K and, unless dmask is empty, dS into dmask: the caller
+    owns every query row of the group then, so no other thread writes them.
+    """
+    group = q.shape[1] // k.shape[1]
+    scale2 = scale * LOG2E
+    softcapped = variant[5] != 0
+    want_dmask = with_dq and dmask.shape[0] > 0
+    slot, q0, q_len, k0, _ = sequence(variant, b)
+    keys = slice(k0 + j0, k0 + j0 + cols)
+    k_tile, v_tile = k[slot, hk, keys], v[slot, hk, keys]
+    dk_tile, dv_tile = dk[slot, hk, keys], dv[slot, hk, keys]
+    first, end = query_range(variant, b, j0, cols, q_len)
+    for h in range(hk * group, (hk + 1) * group):
+        for i0 in range(first, end, block_m):
+            rows = min(block_m, end - i0)
+            structure = tile_structure(variant, b, h, i0, rows, j0, cols)
+            if structure == SKIP:
+                continue
+            queries = slice(q0 + i0, q0 + i0 + rows)
+            q_tile, do_tile = q[slot, h, queries], grad_out[slot, h, queries]
+            p, ds = p_buffer[:rows, :cols], ds_buffer[:rows, :cols]
+            probabilities(
+                q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
+                stats[slot, h, q0 : q0 + q_len],
+            )  # fmt: skip
+            gemm(p, do_tile, dv_tile, 1.0, 1.0, True, False)
+            gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
+            score_gradients(p_buffer, ds_buffer, delta[slot, h, queries], rows, cols)
+            if want_dmask:  # plain calls only: slot b, no row offsets
+                dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
+            if softcapped:
+                through_softcap(ds_buffer, dtanh, rows, cols)
+            gemm(ds, q_tile, dk_tile, scale, 1.0, True, False)
+            if with_dq:
+                gemm(ds, k_tile, dq[slot, h, queries], scale, 1.0, False, False)
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def attention_backward_dkdv(
+    q, k, v, variant, scale, stats, grad_out, delta, dk, dv, block_m, block_n
+):
+    """dk, dv += per key tile, summed over every query head of the key/value head's group."""
+    kv_heads = k.shape[1]
+    kv_tiles = (longest(variant, 4) + block_n - 1) // block_n
+    unused = np.zeros((0, 0, 0, 0), np.float32)
+    softcapped = variant[5] != 0
+    for item in prange(variant[4].shape[0] * kv_heads * kv_tiles):
+        b, hk, tile = split_index(item, kv_heads, kv_tiles)
+        j0 = tile * block_n
+        cols = min(block_n, variant[4][b, 4] - j0)
+        if cols <= 0:  # past this sequence's end
+            continue
+        p_buffer = np.empty((block_m, cols), np.float32)
+        ds_buffer = np.empty((block_m, cols), np.float32)
+        dtanh = np.empty((block_m if softcapped else 0, cols), np.float32)
+        key_tile_gradients(
+            q, k, v, variant, scale, stats, grad_out, delta, unused, dk, dv, unused,
+            b, hk, j0, cols, block_m, p_buffer, ds_buffer, dtanh, False,
+        )  # fmt: skip
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def attention_backward_fused(
+    q, k, v, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask, block_m, block_n
+):
+    """dq, dk, dv += (and dS into an L x S dmask) in one pass: P and dP are computed once.
+
+    One prange item per (batch, key/value head) owns every query head of its group, so its
+    dq updates need no atomics; worth it when there are enough items for the threads.
+    """
+    kv_heads = k.shape[1]
+    softcapped = variant[5] != 0
+    for item in prange(variant[4].shape[0] * kv_heads):
+        b, hk, _ = split_index(item, kv_heads, 1)
+        kv_len = variant[4][b, 4]
+        p_buffer = np.empty((block_m, block_n), np.float32)
+        ds_buffer = np.empty((block_m, block_n), np.float32)
+        dtanh = np.empty((block_m if softcapped else 0, block_n), np.float32)
+        for j0 in range(0, kv_len, block_n):
+            key_tile_gradients(
+                q, k, v, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask,
+                b, hk, j0, min(block_n, kv_len - j0), block_m, p_buffer, ds_buffer, dtanh,
+                True,
+            )  # fmt: skip
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def softmax_delta(out, grad_out, stats, grad_lse, delta):
+    """delta (B, Hq, L) <- FlashAttention-2's rowsum(dO * O) - dLSE (`grad_lse` empty: no
+    dLSE). A gradient on the LSE adds p * dLSE to every dS: the same as lowering delta by
+    it. Rows that see no key (sum 0) take none of it: their p is 0, and a NaN must not
+    creep in."""
+    batch, heads, q_len, value_dim = out.shape
+    for item in prange(batch * heads):
+        b, h, _ = split_index(item, heads, 1)
+        for i in range(q_len):
+            total = np.float32(0.0)
+            for e in range(value_dim):
+                total += out[b, h, i, e] * grad_out[b, h, i, e]
+            if grad_lse.shape[0] > 0 and stats[b, h, i, 1] > 0:
+                total -= grad_lse[b, h, i]
+            delta[b, h, i] = total
+
+
+def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+    """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
+    row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
+    q, k, v = as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
+    no_work = not inputs.has_pairs  # then zeros: no key is seen
+    zero = no_work or inputs.has_padding  # nor by a padded batch's padding rows
+    out, out_array = float32_array((*q.shape[:3], v.shape[3]), zero=zero)
+    stats, stats_array = float32_array((*q.shape[:3], 2), zero=zero)
+    if not no_work:
+        run_parallel(
+            online_softmax_forward, q, k, v, lower_variant(inputs), inputs.scale, out_array,
+            stats_array, *tile_sizes(inputs),
+        )  # fmt: skip
+    return out.to(inputs.dtype), stats
+
+
+def tile_sizes(inputs: AttentionInputs, backward: bool = False) -> tuple[int, int]:
+    """(query rows, keys) of the kernels' tiles for this call."""
+    if inputs.band is None or None in inputs.band:
+        return BLOCK_M, BLOCK_N
+    return BANDED_BLOCK_M, min(BANDED_BACKWARD_BLOCK_N, BLOCK_N) if backward else BLOCK_N
+
+
+def fused_backward_pays(items: int, threads: int) -> bool:
+    """Whether the one-pass backward beats the two passes for `items` (batch, kv head) pairs.
+
+    The one pass computes 5 tile products per (query tile, key tile), the two passes 7 (P and
+    dP twice), but it has only `items` to share out: it pays while they keep at least 3/4 of
+    the threads busy. Measured at L = 2048, 8 query heads, 2 threads: 1 kv head, two passes
+    1.05-1.17x faster; 2 kv heads, the one pass 1.43-1.58x faster.
+    """
+    return items > 0 and items / (threads * math.ceil(items / threads)) >= 0.75
+
+
+def numba_attention_backward(
+    inputs: AttentionInputs,
+    out: Tensor,
+    stats: Tensor,
+    grad_out: Tensor,
+    grad_lse: Tensor | None = None,
+    fused: bool | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(dq, dk, dv, dmask or None) in the inputs' dtypes, by FlashAttention-2 recomputation;
+    `grad_lse` (B, Hq, L), the LSE's gradient, only shifts delta = rowsum(dO * O).
+
+    `fused`: one pass over (batch, kv head) items, or a dq pass and a dk/dv pass over tiles;
+    None picks the fused pass where it pays (`fused_backward_pays`).
+    """
+    q, k, v = as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
+    variant = lower_variant(inputs)
+    do = as_fp32(grad_out)
+    stats = as_numpy(stats.contiguous())
+    no_lse = np.zeros((0, 0, 0), np.float32)
+    lse_grad = no_lse if grad_lse is None else as_numpy(grad_lse.detach().float().contiguous())
+    # (tensor, array): kept bound while the kernels run, as the tensor owns the array's memory.
+    delta_buffer = float32_array(stats.shape[:3])
+    delta = delta_buffer[1]
+    (dq, dq_array), (dk, dk_array), (dv, dv_array) = (
+        float32_array(t.shape, zero=True) for t in (q, k, v)
+    )
+    want_dmask = inputs.mask_kind == "float" and inputs.attn_mask.requires_grad
+    dmask_shape = inputs.attn_mask.shape if want_dmask else (0, 0, 0, 0)
+    dmask, dmask_array = float32_array(dmask_shape, zero=True)
+    if fused is None:
+        fused = fused_backward_pays(
+            inputs.sequence_count * inputs.kv_heads, torch.get_num_threads()
+        )
+    if inputs.has_pairs:
+        run_parallel(softmax_delta, as_fp32(out), do, stats, lse_grad, delta)
+        common = (q, k, v, variant, inputs.scale, stats, do, delta)
+        blocks = tile_sizes(inputs, backward=True)
+        if fused:
+            grads = dq_array, dk_array, dv_array, dmask_array
+            run_parallel(attention_backward_fused, *common, *grads, *blocks)
+        else:
+            run_parallel(attention_backward_dq, *common, dq_array, dmask_array, *blocks)
+            run_parallel(attention_backward_dkdv, *common, dk_array, dv_array, *blocks)
+    dmask = dmask.to(inputs.attn_mask.dtype) if want_dmask else None
+    return dq.to(inputs.dtype), dk.to(inputs.dtype), dv.to(inputs.dtype), dmask

@@ -1,0 +1,31 @@
+"""The numba backend's declaration: what it serves, and its launchers."""
+
+from __future__ import annotations
+
+import torch
+
+from attnperf.backend import FEATURES, Capabilities, FusedBackend
+from attnperf.kernels.numba.attention import numba_attention_backward, numba_attention_forward
+from attnperf.kernels.numba.jit import MISSING
+from attnperf.kernels.numba.kvcache import numba_kvcache_forward
+
+
+class NumbaBackend(FusedBackend):
+    name = "numba"
+    description = "fused tiled online-softmax CPU kernel (Numba, BLAS tiles), O(tile) memory"
+    capabilities = Capabilities(
+        devices=("cpu",),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        max_head_dim=None,
+        features=frozenset(FEATURES) - {"dropout", "kvcache_backward"},
+    )
+
+    forward = staticmethod(numba_attention_forward)
+    backward = staticmethod(numba_attention_backward)
+    kvcache_forward = staticmethod(numba_kvcache_forward)
+
+    def unavailable_reason(self) -> str | None:
+        return MISSING
+
+
+BACKEND = NumbaBackend()

@@ -1,0 +1,113 @@
+"""Float32 math that LLVM vectorises: exp2 and tanh without libm calls, maxnum, base-2
+mask values."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from attnperf.kernels.numba.jit import FASTMATH, cgutils, intrinsic, ir, njit, types
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
+# 2**f = exp(f * ln 2) for f in [-0.5, 0.5]: Taylor terms ln2^i / i!, error < 1e-8 relative.
+# float32 constants, or the polynomial is evaluated in float64 at half the vector width.
+EXP2_COEFFS = tuple(np.float32(LN2**i / math.factorial(i)) for i in range(8))
+
+
+@intrinsic
+def float32_from_bits(typingctx, bits):
+    """The float32 whose bit pattern is the int32 `bits` (vectorises, unlike a view)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def maxnum(typingctx, a, b):
+    """LLVM's maxnum: the larger of two float32, NaN ignored; LLVM vectorises its reductions."""
+    sig = types.float32(types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        float32 = ir.FloatType()
+        function_type = ir.FunctionType(float32, [float32, float32])
+        function = cgutils.get_or_insert_function(builder.module, function_type, "llvm.maxnum.f32")
+        return builder.call(function, args)
+
+    return sig, codegen
+
+
+@njit(fastmath=FASTMATH)
+def row_maximum(row, cols, start):
+    """max(start, row[:cols]); NaN scores are passed over (their exp2 makes the row NaN)."""
+    m = start
+    for c in range(cols):
+        m = maxnum(m, row[c])
+    return m
+
+
+@njit(fastmath=FASTMATH)
+def exp2(t):
+    """2 ** t in float32 without a libm call, so that loops over it vectorise.
+
+    2**n is built in a float's exponent field; results below 2**-126 flush to 0. NaN stays
+    NaN; t must be below 128.
+    """
+    c0, c1, c2, c3, c4, c5, c6, c7 = EXP2_COEFFS
+    clamped = t if t > -127.0 else np.float32(-127.0)  # -inf and NaN clamp too
+    n = np.floor(clamped + np.float32(0.5))
+    f = clamped - n
+    p = c7
+    p = p * f + c6
+    p = p * f + c5
+    p = p * f + c4
+    p = p * f + c3
+    p = p * f + c2
+    p = p * f + c1
+    p = p * f + c0
+    y = p * float32_from_bits((np.int32(n) + 127) << 23)
+    return y if t == t else t
+
+
+@njit(fastmath=FASTMATH)
+def exp2_shifted(row, cols, shift, factor):
+    """row[c] <- 2 ** (row[c] - shift) * factor in place, vectorised; returns the sum."""
+    total = np.float32(0.0)
+    for c in range(cols):
+        y = exp2(row[c] - shift) * factor
+        row[c] = y
+        total += y
+    return total
+
+
+@njit(fastmath=FASTMATH)
+def tanh(x):
+    """tanh in float32, vectorisable: Cephes' tanhf (an odd polynomial below 0.625, else
+    1 - 2 / (e^2|x| + 1)); within 2 ulps of libm's."""
+    a = min(abs(x), np.float32(10.0))  # tanh(10) rounds to 1 in float32
+    e = exp2(a * np.float32(2 * LOG2E))
+    large = np.float32(1.0) - np.float32(2.0) / (e + np.float32(1.0))
+    large = large if x >= 0 else -large
+    z = x * x
+    p = np.float32(-5.70498872745e-3)
+    p = p * z + np.float32(2.06390887954e-2)
+    p = p * z - np.float32(5.37397155531e-2)
+    p = p * z + np.float32(1.33314422036e-1)
+    p = p * z - np.float32(3.33332819422e-1)
+    small = p * z * x + x
+    return small if a < 0.625 else large
+
+
+@njit(fastmath=FASTMATH)
+def base2_bias(value):
+    """A float mask's value in base 2: finite stays finite (finfo.min, a common "masked"
+    value, times log2(e) would overflow to -inf and empty a row that SDPA averages)."""
+    scaled = np.float32(value * LOG2E)
+    if np.isfinite(value):
+        return min(max(scaled, -FLOAT32_MAX), FLOAT32_MAX)
+    return scaled

@@ -1,0 +1,48 @@
+"""Numba, guarded: the decorator every kernel uses, prange, and why numba is missing."""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import numba
+    import scipy  # noqa: F401  (scipy's BLAS serves when torch exports no sgemm)
+    from llvmlite import binding as llvm_binding
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    MISSING = None
+except ImportError as error:
+    numba = cgutils = ir = llvm_binding = types = None
+    MISSING = f"numba and scipy are needed ({error}); pip install 'attnperf[cpu]'"
+
+
+def njit(**options):
+    """numba.njit with an on-disk cache; without numba the plain function (never run).
+
+    error_model="numpy": IEEE division (inf/NaN, no ZeroDivisionError branch), which lets
+    loops that divide vectorise (the softcap's tanh was 10x slower without).
+    """
+    if numba is None:
+        return lambda function: function
+    return numba.njit(cache=True, nogil=True, error_model="numpy", **options)
+
+
+prange = numba.prange if numba is not None else range
+if numba is None:  # kernels are never run then; their modules only need the names
+
+    def intrinsic(function):
+        return function
+
+
+# Reassociation and contraction let LLVM vectorise the row loops; no "nnan"/"ninf", so
+# NaN and inf propagate as in SDPA.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+@njit()
+def split_index(item, heads, tiles):
+    """(batch, head, tile) of a flat prange index (prange indices are unsigned)."""
+    item = np.int64(item)
+    return item // (heads * tiles), (item // tiles) % heads, item % tiles

@@ -1,0 +1,198 @@
+"""KV-cache decoding: split-K attention over a contiguous or paged cache, merged exactly."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnperf.kernels.numba.attention import online_softmax_rescale
+from attnperf.kernels.numba.fastmath import LOG2E
+from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
+from attnperf.kernels.numba.launch import as_fp32, as_numpy, float32_array, run_parallel
+from attnperf.kernels.numba.variant import key_range, lower_variant, modify_scores, tile_structure
+from attnperf.serving import KVCacheInputs
+
+
+@njit(fastmath=FASTMATH)
+def cached_scores(q_rows, page, first_row, cols, s, scale2):
+    """s[h, r, j] <- scale2 * q_rows[h, r] . page[first_row + j, h] for j < cols: every
+    head's scores of a tile of keys, one cache row (all heads side by side) at a time.
+
+    A decode step has a few query rows per head: BLAS's small-M products ran it at ~13 GB/s
+    of K and V (S = 16k, 32/8 heads, E = 128, 2 threads), these loops faster (they need a
+    C-contiguous cache to vectorise along E).
+    """
+    heads, rows, dim = q_rows.shape
+    for j in range(cols):
+        keys = page[first_row + j]
+        for h in range(heads):
+            key = keys[h]
+            for r in range(rows):
+                query = q_rows[h, r]
+                total = np.float32(0.0)
+                for e in range(dim):
+                    total += query[e] * key[e]
+                s[h, r, j] = total * scale2
+
+
+@njit(fastmath=FASTMATH)
+def cached_values(p, page, first_row, cols, acc):
+    """acc[h, r] += sum_j p[h, r, j] * page[first_row + j, h] for j < cols."""
+    heads, rows, dim = acc.shape
+    for j in range(cols):
+        values = page[first_row + j]
+        for h in range(heads):
+            value = values[h]
+            for r in range(rows):
+                weight = p[h, r, j]
+                out = acc[h, r]
+                for e in range(dim):
+                    out[e] += weight * value[e]
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def kvcache_forward_splits(
+    q, k_pages, v_pages, block_table, variant, scale, block_n, partial_out, partial_stats
+):
+    """Split-K attention of q (B, Hq, Lq, E) over a paged KV cache (pages (P, page_size, H,
+    E), block_table (B, pages)): split s of sequence b covers the s-th of equal chunks of
+    the keys its rows see, into partial_out (splits, B, Hq, Lq, Ev), unnormalised, and
+    partial_stats (splits, B, Hq, Lq, 2), each row's base-2 max and sum.
+
+    An item walks its keys in tiles, each cache row with all its heads: memory is read in
+    order (a head at a time, its rows a page apart, defeats the prefetchers). The query rows
+    of a key/value head's group go through its keys together (FlashAttention's "pack GQA"):
+    K and V are read once.
+    """
+    splits = partial_out.shape[0]
+    batch, q_heads, q_len, head_dim = q.shape
+    page_size, kv_heads, value_dim = k_pages.shape[1], k_pages.shape[2], v_pages.shape[3]
+    group = q_heads // kv_heads
+    rows = group * q_len
+    scale2 = scale * LOG2E
+    no_dtanh = np.empty((0, 0), np.float32)
+    for item in prange(batch * splits):
+        b, _, split = split_index(item, 1, splits)
+        slot = variant[4][b, 0]  # the sequence's batch entry: rows may be reordered
+        q_rows = np.empty((kv_heads, rows, head_dim), np.float32)
+        for hk in range(kv_heads):
+            for g in range(group):
+                q_rows[hk, g * q_len : (g + 1) * q_len] = q[slot, hk * group + g]
+        s = np.empty((kv_heads, rows, block_n), np.float32)
+        acc = np.zeros((kv_heads, rows, value_dim), np.float32)
+        row_max = np.full((kv_heads, rows), -np.inf, np.float32)
+        row_sum = np.zeros((kv_heads, rows), np.float32)
+        shift = np.zeros((kv_heads, rows), np.float32)
+        k_start, kv_len = variant[4][b, 3], variant[4][b, 4]
+        first, end = key_range(variant, b, 0, q_len, kv_len)
+        chunk = ((end - first + splits - 1) // splits + 15) // 16 * 16
+        lo, hi = first + split * chunk, min(first + (split + 1) * chunk, end)
+        # Key j is cache row k_start + j; pages hold page_size rows; tiles never cross one.
+        page_start = (k_start + lo) // page_size * page_size
+        while page_start < k_start + hi:
+            page = block_table[slot, page_start // page_size]
+            k_first = max(lo, page_start - k_start)
+            k_end = min(hi, page_start + page_size - k_start)
+            for j0 in range(k_first, k_end, block_n):
+                cols = min(block_n, k_end - j0)
+                first_row = k_start + j0 - page_start
+                cached_scores(q_rows, k_pages[page], first_row, cols, s, scale2)
+                structure = tile_structure(variant, b, 0, 0, q_len, j0, cols)
+                for hk in range(kv_heads):
+                    for g in range(group):
+                        head_rows = s[hk, g * q_len : (g + 1) * q_len]
+                        modify_scores(head_rows, variant, b, hk * group + g, 0, j0, q_len, cols,
+                                      structure, no_dtanh)  # fmt: skip
+                    online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk],
+                                           row_sum[hk], shift[hk])  # fmt: skip
+                cached_values(s, v_pages[page], first_row, cols, acc)
+            page_start += page_size
+        for hk in range(kv_heads):
+            for g in range(group):
+                for t in range(q_len):
+                    r, h = g * q_len + t, hk * group + g
+                    partial_out[split, slot, h, t] = acc[hk, r]
+                    partial_stats[split, slot, h, t, 0] = shift[hk, r]
+                    partial_stats[split, slot, h, t, 1] = row_sum[hk, r]
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def merge_splits(partial_out, partial_stats, out, stats):
+    """out (B, Hq, L, Ev) and stats (B, Hq, L, 2) of the splits' partial softmaxes
+    combined exactly: merge_attention's rule in base 2, on unnormalised accumulators."""
+    splits, batch, heads, q_len, value_dim = partial_out.shape
+    for item in prange(batch * heads):
+        b, h, _ = split_index(item, heads, 1)
+        for t in range(q_len):
+            largest = -np.inf
+            for split in range(splits):
+                if partial_stats[split, b, h, t, 1] > 0:
+                    largest = max(largest, partial_stats[split, b, h, t, 0])
+            total = np.float32(0.0)
+            row = out[b, h, t]
+            row[:] = 0.0
+            for split in range(splits):
+                part_sum = partial_stats[split, b, h, t, 1]
+                if part_sum > 0:
+                    weight = np.float32(2.0 ** (partial_stats[split, b, h, t, 0] - largest))
+                    total += part_sum * weight
+                    for e in range(value_dim):
+                        row[e] += weight * partial_out[split, b, h, t, e]
+            inverse = np.float32(1.0) / total if total > 0 else np.float32(0.0)
+            for e in range(value_dim):
+                row[e] *= inverse
+            stats[b, h, t, 0] = largest if total > 0 else 0.0
+            stats[b, h, t, 1] = total
+
+
+def kvcache_splits(inputs: KVCacheInputs, threads: int) -> int:
+    """How many chunks each sequence's keys are split into: as asked, else enough that the
+    (batch, split) items fill the threads evenly, with at least MIN_SPLIT_KEYS keys each."""
+    if inputs.num_splits:
+        return inputs.num_splits
+    items = inputs.batch  # an item walks every head (see kvcache_forward_splits)
+    if items == 0 or items >= threads:
+        return 1
+    longest = inputs.sequences.max_kv_len
+    return max(1, min(threads // math.gcd(items, threads), longest // MIN_SPLIT_KEYS))
+
+
+# Keys per tile of a KV-cache step: of 32 to 512, 96 was as fast as any (B = 1 and 4, S =
+# 16k and 64k, 32/8 heads, E = 128, 2 threads); every head's scores of the tile (8 x 4 x 96
+# floats) stay in L1.
+DECODE_BLOCK_N = 96
+# A split's fixed cost (its partial rows, the merge) is a few microseconds: below ~256 keys
+# (64K multiply-adds per row at head dim 128) it outweighs what a second thread saves.
+MIN_SPLIT_KEYS = 256
+
+
+def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
+    """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of a KV-cache call:
+    split-K over (batch, kv head, split) items, merged exactly."""
+    k_pages, v_pages = inputs.k_pages, inputs.v_pages
+    contiguous = inputs.block_table.shape[1] == 1 and inputs.batch == k_pages.shape[0]
+    if contiguous and inputs.dtype != torch.float32:  # converted: only the filled rows
+        filled = int((inputs.sequences.table[:, 3] + inputs.sequences.table[:, 4]).max())
+        k_pages, v_pages = k_pages[:, :filled], v_pages[:, :filled]
+    # The kernel reads cache rows whole (cached_scores): a strided cache is copied first.
+    q = as_fp32(inputs.query)
+    k_pages, v_pages = (np.ascontiguousarray(as_fp32(t)) for t in (k_pages, v_pages))
+    splits = kvcache_splits(inputs, torch.get_num_threads())
+    shape = (*q.shape[:3], v_pages.shape[3])
+    # (tensor, array) pairs: kept bound while the kernels run, as the tensors own the memory.
+    partials = float32_array((splits, *shape)), float32_array((splits, *q.shape[:3], 2))
+    partial_out, partial_stats = partials[0][1], partials[1][1]
+    out, out_array = float32_array(shape, zero=True)
+    stats, stats_array = float32_array((*q.shape[:3], 2), zero=True)
+    if q.size:
+        variant = lower_variant(inputs)
+        table = as_numpy(inputs.block_table.cpu())
+        run_parallel(
+            kvcache_forward_splits, q, k_pages, v_pages, table, variant, inputs.scale,
+            DECODE_BLOCK_N, partial_out, partial_stats,
+        )  # fmt: skip
+        run_parallel(merge_splits, partial_out, partial_stats, out_array, stats_array)
+    return out.to(inputs.dtype), stats

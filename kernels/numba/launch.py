@@ -1,0 +1,64 @@
+"""What the launchers share: running a parallel kernel, arrays over torch tensors."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnperf.kernels.numba.blas import setup
+from attnperf.kernels.numba.jit import numba
+
+
+def as_numpy(tensor: Tensor) -> np.ndarray:
+    return tensor.detach().numpy()
+
+
+# Numba's workqueue pool serves one parallel region at a time and aborts the process when
+# two Python threads enter it at once: calls from threads take turns (each uses every
+# thread anyway; the lock costs well under a microsecond against a call's milliseconds).
+_PARALLEL_REGION = threading.Lock()
+
+
+def run_parallel(kernel, *args) -> None:
+    """Run a prange kernel on torch's thread count, BLAS on one thread inside it."""
+    _, controller = setup()
+    pinned = controller.limit(limits=1, user_api="blas") if controller else nullcontext()
+    with _PARALLEL_REGION, pinned:
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        kernel(*args)
+
+
+def float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, np.ndarray]:
+    """A new fp32 torch tensor and a numpy view of its memory for the kernels to write.
+
+    The view is made from the address, not by Tensor.numpy(), which would pin the storage
+    (a result that `resize_` refuses, unlike SDPA's); the tensor outlives every kernel call.
+    Zeroed by memset, not torch.zeros: a torch op on OpenMP threads just before a kernel
+    leaves them spinning on the cores the kernel's threads need (a 32K-element op cost the
+    next forward 8 ms of 20, L = 4096, 2 threads).
+    """
+    tensor = torch.empty(shape, dtype=torch.float32)
+    if tensor.numel() == 0:
+        return tensor, np.zeros(shape, np.float32)
+    if zero:
+        ctypes.memset(tensor.data_ptr(), 0, tensor.numel() * 4)
+    memory = (ctypes.c_float * tensor.numel()).from_address(tensor.data_ptr())
+    return tensor, np.ctypeslib.as_array(memory).reshape(shape)
+
+
+def as_fp32(tensor: Tensor) -> np.ndarray:
+    """An fp32 array of `tensor` for the kernels: a view where BLAS can read it in place
+    (fp32, unit stride along the head dim, rows apart: a (B, L, H, E) tensor viewed as
+    (B, H, L, E), say), else an fp32 contiguous copy."""
+    tensor = tensor.detach()
+    in_place = (
+        tensor.dtype == torch.float32
+        and tensor.stride(-1) == 1
+        and tensor.stride(-2) >= max(tensor.shape[-1], 1)
+    )
+    return as_numpy(tensor if in_place else tensor.to(torch.float32).contiguous())

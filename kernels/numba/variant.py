@@ -1,0 +1,239 @@
+"""A call's variant lowered once for the kernels, and the helpers that every kernel, forward
+and backward, shares: the tile ranges of the band and the layout, and the score
+modification (softcap, mask, ALiBi, band, block layout)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnperf.inputs import AttentionInputs
+from attnperf.kernels.numba.fastmath import LOG2E, base2_bias, tanh
+from attnperf.kernels.numba.jit import FASTMATH, njit
+from attnperf.kernels.numba.launch import as_numpy
+from attnperf.layouts import EMPTY as LAYOUT_EMPTY
+from attnperf.layouts import FULL as LAYOUT_FULL
+from attnperf.serving import KVCacheInputs
+
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------- the variant
+# A call's variant lowered once (`lower_variant`) into one tuple that every kernel passes on:
+# (mask, mask_kind, left, right, sequences, softcap2, alibi2, kinds, partial_index, partial,
+#  block_q, block_k). The band is left/right around each row's diagonal i + offset
+# (UNBOUNDED when open); sequences (B, 6) is attnperf.inputs.Sequences' table (slot, q_start,
+# q_len, k_start, k_len, offset), one row per batch entry for a plain call: row indices i, j
+# are within a sequence, its arrays' rows start at q_start, k_start of batch entry `slot`;
+# softcap2 = softcap * log2(e), 0 without; alibi2 (B, Hq) = slopes * log2(e), empty
+# without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without.
+UNBOUNDED = 1 << 40
+SKIP, MASKED, UNMASKED = 0, 1, 2  # what a (query tile, key tile) needs from the structure
+
+
+@njit()
+def sequence(variant, b):
+    """(slot, q_start, q_len, k_start, k_len) of sequence b."""
+    row = variant[4][b]
+    return row[0], row[1], row[2], row[3], row[4]
+
+
+@njit()
+def longest(variant, column):
+    """The largest q_len (column 2) or k_len (4) of the sequences."""
+    sequences = variant[4]
+    result = 0
+    for b in range(sequences.shape[0]):
+        result = max(result, sequences[b, column])
+    return result
+
+
+@njit()
+def key_range(variant, b, i0, rows, kv_len):
+    """[first, end) of the keys that query rows i0 .. i0 + rows - 1 may see in the band."""
+    left, right, offset = variant[2], variant[3], variant[4][b, 5]
+    # Whole multiples of 16 keys (the band masks the extra ones): BLAS runs faster on them.
+    first = max(i0 + offset - left, 0) // 16 * 16
+    end = min((i0 + rows - 1 + offset + right + 1 + 15) // 16 * 16, kv_len)
+    return first, max(end, first)
+
+
+@njit()
+def query_range(variant, b, j0, cols, q_len):
+    """[first, end) of the query rows that may see keys j0 .. j0 + cols - 1 in the band."""
+    left, right, offset = variant[2], variant[3], variant[4][b, 5]
+    first = max(j0 - offset - right, 0)
+    end = min(j0 + cols - 1 - offset + left + 1, q_len)
+    return first, max(end, first)
+
+
+@njit()
+def tile_structure(variant, b, h, i0, rows, j0, cols):
+    """SKIP, MASKED or UNMASKED: what the band and the block layout leave of one tile."""
+    left, right, offset = variant[2], variant[3], variant[4][b, 5]
+    # Key j's distance right of row i's diagonal, j - (i + offset), over the tile:
+    nearest = j0 - (i0 + rows - 1) - offset
+    farthest = j0 + cols - 1 - i0 - offset
+    result = UNMASKED if nearest >= -left and farthest <= right else MASKED
+    kinds, block_q, block_k = variant[7], variant[10], variant[11]
+    if block_q == 0:
+        return result
+    seen = False
+    for qb in range(i0 // block_q, (i0 + rows - 1) // block_q + 1):
+        for kb in range(j0 // block_k, (j0 + cols - 1) // block_k + 1):
+            kind = kinds[b, h, qb, kb]
+            seen = seen or kind != LAYOUT_EMPTY
+            if kind != LAYOUT_FULL:
+                result = MASKED
+    return result if seen else SKIP
+
+
+@njit()
+def key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+    """The key tiles that query rows i0 .. i0 + rows - 1 must visit, as (j0, cols,
+    structure) with structure MASKED or UNMASKED: the tile range of the band, without the
+    tiles that the block layout leaves empty."""
+    tiles = []
+    first, end = key_range(variant, b, i0, rows, kv_len)
+    for j0 in range(first, end, block_n):
+        cols = min(block_n, end - j0)
+        structure = tile_structure(variant, b, h, i0, rows, j0, cols)
+        if structure != SKIP:
+            tiles.append((j0, cols, structure))
+    return tiles
+
+
+@njit(fastmath=FASTMATH)
+def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
+    """Scores of one tile (base 2, scaled) in place: softcap, attn_mask, ALiBi, and, for a
+    MASKED tile, the band and the block layout (-inf outside them).
+
+    With a softcap and `dtanh` of the tile's size, also dtanh <- 1 - tanh^2, the softcap's
+    gradient factor for the backward.
+    """
+    mask, mask_kind, left, right, sequences, softcap2, alibi2 = variant[:7]
+    offset = sequences[b, 5]
+    if softcap2 != 0:
+        inverse = np.float32(1.0) / softcap2
+        for r in range(rows):
+            s_row = s[r]
+            if dtanh.shape[0] >= rows:  # two loops, so that each vectorises
+                dtanh_row = dtanh[r]
+                for c in range(cols):
+                    t = tanh(s_row[c] * inverse)
+                    s_row[c] = softcap2 * t
+                    dtanh_row[c] = np.float32(1.0) - t * t
+            else:
+                for c in range(cols):
+                    s_row[c] = softcap2 * tanh(s_row[c] * inverse)
+    if mask_kind == MASK_FLOAT:
+        for r in range(rows):
+            for c in range(cols):
+                s[r, c] += base2_bias(mask[b, h, i0 + r, j0 + c])
+    elif mask_kind == MASK_BOOL:
+        for r in range(rows):
+            for c in range(cols):
+                if not mask[b, h, i0 + r, j0 + c]:
+                    s[r, c] += -np.inf  # like SDPA: a NaN score stays NaN
+    if alibi2.shape[0] > 0:
+        slope = alibi2[b, h]
+        for r in range(rows):
+            distance = j0 - (i0 + r) - offset
+            s_row = s[r]
+            for c in range(cols):
+                s_row[c] -= slope * abs(distance + c)
+    if structure != MASKED:
+        return
+    for r in range(rows):  # the band: key j for row i iff -left <= j - (i + offset) <= right
+        distance = j0 - (i0 + r) - offset
+        for c in range(0, min(max(-left - distance, 0), cols)):
+            s[r, c] = -np.inf
+        for c in range(max(right - distance + 1, 0), cols):
+            s[r, c] = -np.inf
+    kinds, partial_index, partial, block_q, block_k = variant[7:]
+    if block_q == 0:
+        return
+    for qb in range(i0 // block_q, (i0 + rows - 1) // block_q + 1):
+        r0, r1 = max(qb * block_q - i0, 0), min((qb + 1) * block_q - i0, rows)
+        for kb in range(j0 // block_k, (j0 + cols - 1) // block_k + 1):
+            c0, c1 = max(kb * block_k - j0, 0), min((kb + 1) * block_k - j0, cols)
+            kind = kinds[b, h, qb, kb]
+            if kind == LAYOUT_FULL:
+                continue
+            block = partial[max(partial_index[b, h, qb, kb], 0)]
+            for r in range(r0, r1):
+                for c in range(c0, c1):
+                    if kind == LAYOUT_EMPTY or not block[i0 + r - qb * block_q,
+                                                         j0 + c - kb * block_k]:  # fmt: skip
+                        s[r, c] = -np.inf
+
+
+def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int]:
+    """The mask as a strided array (broadcast dims keep stride 0) and its kind."""
+    mask = inputs.attn_mask
+    if mask is None:
+        return np.zeros((1, 1, 1, 1), np.float32), MASK_NONE
+    if mask.dtype == torch.bool:
+        return as_numpy(mask), MASK_BOOL
+    # Convert only the mask's own elements, then broadcast again: never a full-size copy.
+    compact = mask.detach()
+    for dim in range(4):
+        if compact.stride(dim) == 0:
+            compact = compact.narrow(dim, 0, 1)
+    return as_numpy(compact.float().expand(mask.shape)), MASK_FLOAT
+
+
+def balanced_order(table: Tensor, threads: int) -> Tensor:
+    """An order of the sequences in which numba's prange, which gives each thread one
+    contiguous share of the items (sequence-major, as many per sequence), shares their work
+    (q_len x k_len) evenly: heaviest first, each to the lightest share with room. A packed
+    batch of 8 causal sequences of 516 to 3890 tokens in cu_seqlens order left one of 2
+    threads idle most of the time; a plain call's equal sequences keep their order."""
+    count = table.shape[0]
+    lengths = table[:, 2] * table[:, 4]
+    if count <= 1 or threads <= 1 or bool((lengths == lengths[0]).all()):
+        return torch.arange(count)
+    room = [count // threads + (share < count % threads) for share in range(threads)]
+    shares = [[] for _ in range(threads)]
+    work = [0] * threads
+    for b in torch.argsort(lengths, descending=True, stable=True).tolist():
+        share = min((s for s in range(threads) if len(shares[s]) < room[s]), key=work.__getitem__)
+        shares[share].append(b)
+        work[share] += int(lengths[b])
+    return torch.tensor([b for share in shares for b in share])
+
+
+def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
+    """The call's masks and variant as the kernels' one `variant` tuple (see UNBOUNDED)."""
+    mask, mask_kind = _mask_for_kernel(inputs)
+    variant = inputs.variant
+    left, right = inputs.band or (None, None)
+    softcap2 = np.float32(variant.softcap * LOG2E if variant.softcap is not None else 0.0)
+    table = inputs.sequences.table
+    order = balanced_order(table, torch.get_num_threads())
+    alibi2 = np.zeros((0, 0), np.float32)
+    if variant.alibi_slopes is not None:
+        alibi2 = as_numpy((variant.alibi_slopes[order] * LOG2E).float().contiguous())
+    layout = variant.block_mask
+    if layout is None:
+        kinds = np.zeros((1, 1, 1, 1), np.int8)
+        partial_index = np.zeros((1, 1, 1, 1), np.int32)
+        partial = np.zeros((1, 1, 1), np.bool_)
+        block_q = block_k = 0
+    else:
+        # Per (batch, head) copies, O(L S / block^2): C-contiguous, as without a layout, so
+        # that both share one compiled kernel.
+        full = (inputs.batch, inputs.q_heads, *layout.num_blocks)
+        kinds = as_numpy(layout.kinds.expand(full).contiguous())
+        partial_index = as_numpy(layout.partial_index.expand(full).contiguous())
+        partial = as_numpy(layout.partial)
+        if partial.shape[0] == 0:
+            partial = np.zeros((1, *layout.block_size), np.bool_)
+        block_q, block_k = layout.block_size
+    return (
+        mask, mask_kind,
+        UNBOUNDED if left is None else left, UNBOUNDED if right is None else right,
+        table[order].numpy(), softcap2, alibi2, kinds, partial_index, partial, block_q,
+        block_k,
+    )  # fmt: skip

@@ -1,0 +1,38 @@
+"""The triton backend's declaration: what it serves, and its launchers."""
+
+from __future__ import annotations
+
+import torch
+
+from attnperf.backend import FEATURES, Capabilities, FusedBackend
+from attnperf.kernels.triton.attention import triton_attention_backward, triton_attention_forward
+from attnperf.kernels.triton.jit import INTERPRET, MAX_HEAD_DIM, MISSING
+from attnperf.kernels.triton.kvcache import triton_kvcache_forward
+
+
+class TritonBackend(FusedBackend):
+    name = "triton"
+    description = "fused FlashAttention-2-style GPU kernel (Triton), online softmax in base 2"
+    capabilities = Capabilities(
+        devices=("cuda", "cpu") if INTERPRET else ("cuda",),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        max_head_dim=MAX_HEAD_DIM,
+        features=frozenset(FEATURES) - {"dropout", "kvcache_backward"},
+    )
+
+    forward = staticmethod(triton_attention_forward)
+    backward = staticmethod(triton_attention_backward)
+    kvcache_forward = staticmethod(triton_kvcache_forward)
+
+    def unavailable_reason(self) -> str | None:
+        if MISSING:
+            return MISSING
+        if not INTERPRET and not torch.cuda.is_available():
+            return (
+                "no CUDA GPU (TRITON_INTERPRET=1, set before attnperf's kernels are first "
+                "used, runs them on CPU through Triton's interpreter)"
+            )
+        return None
+
+
+BACKEND = TritonBackend()
