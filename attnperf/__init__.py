@@ -7,6 +7,7 @@ from attnperf.api import (
     attention_with_kvcache,
     backends,
     choose_backend,
+    linear_attention,
     merge_attention,
 )
 from attnperf.dispatch import BackendNotSupportedError
@@ -24,6 +25,7 @@ __all__ = [
     "block_mask",
     "choose_backend",
     "layouts",
+    "linear_attention",
     "merge_attention",
     "nn",
 ]

@@ -10,6 +10,7 @@ from torch import Tensor
 from attnperf import dispatch, ops
 from attnperf.inputs import prepare
 from attnperf.layouts import BlockMask
+from attnperf.linear_inputs import prepare_linear
 from attnperf.serving import append_to_cache, prepare_kvcache, prepare_varlen
 
 
@@ -227,3 +228,44 @@ def merge_attention(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Ten
     weights = scaled / total
     out = sum(w.unsqueeze(-1) * o.to(wide) for w, o in zip(weights, outs, strict=True))
     return out.to(outs[0].dtype), lse
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    g: Tensor | None = None,
+    beta: Tensor | None = None,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Linear attention (additive, gated, delta rule) in fla's layout: (B, T, heads, dim),
+    not attention's (B, heads, L, E).
+
+    q, k (B, T, H, K); v (B, T, HV, V), HV a multiple of H (value head j reads key head
+    j // (HV // H)); g None, (B, T, HV) or (B, T, HV, K): per-step decays in natural log,
+    <= 0 (g > 0 is outside the contract and not checked), used in float32; beta None (the
+    additive rule) or (B, T, HV) (the delta rule's step size). Per value head, in this order:
+    S = diag(exp(g_t)) S; additive S = S + k_t v_t^T, or delta u = beta_t (v_t - S^T k_t),
+    S = S + k_t u^T; o_t = S^T (scale q_t). scale defaults to K ** -0.5. use_qk_l2norm first
+    normalises q and k as x / sqrt(sum(x^2) + 1e-6), differentiably.
+
+    The state is (N, HV, K, V) float32: initial_state (zeros when None) and, with
+    output_final_state, the state after the last token (else None is returned). cu_seqlens
+    (N + 1,) int32/int64 packs N sequences along T (B == 1), each from its own state row.
+    Returns (out (B, T, HV, V) in q's dtype, final state or None); fp16 and bf16 are computed
+    in float32. Gradients reach q, k, v, g, beta and initial_state, through both results. A
+    short T with an initial_state is a decoding step (the recurrent kernel).
+    """
+    dispatch.check_name(backend)
+    inputs = prepare_linear(
+        q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+    return dispatch.linear(inputs, backend)

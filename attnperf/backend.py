@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from attnperf.inputs import AttentionInputs
+from attnperf.linear_inputs import LinearAttentionInputs
 from attnperf.serving import KVCacheInputs
 
 DTYPE_NAMES = {
@@ -38,6 +39,8 @@ FEATURES = {
     "varlen": "packed variable-length sequences (attention_varlen)",
     "kvcache": "KV-cache attention (attention_with_kvcache)",
     "kvcache_backward": "backward through attention_with_kvcache (inference only)",
+    "linear": "linear attention (linear_attention)",
+    "linear_backward": "backward through linear_attention",
 }
 
 
@@ -105,6 +108,11 @@ class Backend:
         accepted KV-cache call whose new keys are already written into the cache."""
         raise NotImplementedError
 
+    def run_linear(self, inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
+        """(output (B, T, HV, V) in the call's dtype, final state (N, HV, K, V) in the compute
+        dtype) of an accepted linear_attention call; differentiable where declared."""
+        raise NotImplementedError
+
     def describe(self) -> dict[str, object]:
         caps = self.capabilities
         return {
@@ -152,6 +160,18 @@ class FusedBackend(Backend):
     forward: Callable[[AttentionInputs], tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor | None, ...]]
     kvcache_forward: Callable[[KVCacheInputs], tuple[Tensor, Tensor]]
+    # linear_forward(inputs) -> (out (B, T, HV, V), final state (N, HV, K, V) float32);
+    # linear_backward(inputs, grad_out, grad_state or None) -> (dq, dk, dv, dg, dbeta, dstate),
+    # None where the call has no such input.
+    linear_forward: Callable[[LinearAttentionInputs], tuple[Tensor, Tensor]]
+    linear_backward: Callable[..., tuple[Tensor | None, ...]]
+
+    def run_linear(self, inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
+        tensors = (inputs.query, inputs.key, inputs.value, inputs.g, inputs.beta,
+                   inputs.initial_state)  # fmt: skip
+        return FusedLinearAttention.apply(
+            (self.linear_forward, self.linear_backward), inputs, *tensors
+        )
 
     def run_kvcache(self, inputs: KVCacheInputs) -> tuple[Tensor, Tensor | None]:
         out, stats = self.kvcache_forward(inputs)
@@ -229,6 +249,34 @@ class FusedAttention(torch.autograd.Function):
         if not variant.return_lse:  # empty: not batched
             return (out, lse, stats), (0, None, 0)
         return (out, lse.unflatten(0, (size, batch)), stats), (0, 0, 0)
+
+
+class FusedLinearAttention(torch.autograd.Function):
+    """Autograd over a fused linear-attention kernel's two launchers: (out, final_state) from
+    apply((forward, backward), inputs, q, k, v, g, beta, initial_state); both outputs are
+    differentiable. Saves the inputs only: the backward recomputes the chunk states."""
+
+    @staticmethod
+    def forward(launchers, inputs: LinearAttentionInputs, q, k, v, g, beta, initial_state):
+        return launchers[0](inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        launchers, call, *tensors = inputs
+        ctx.launch_backward, ctx.call = launchers[1], call
+        ctx.save_for_backward(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_state):
+        q, k, v, g, beta, initial_state = ctx.saved_tensors  # checks in-place edits
+        inputs = replace(ctx.call, query=q, key=k, value=v, g=g, beta=beta,
+                         initial_state=initial_state)  # fmt: skip
+        with torch.no_grad():
+            grads = ctx.launch_backward(inputs, grad_out, grad_state)
+        saved = (grad_out, grad_state, *ctx.saved_tensors)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in saved):
+            grads = _refuse_double_backward(grads)
+        return None, None, *grads
 
 
 def _refuse_double_backward(grads):

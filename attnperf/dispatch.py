@@ -11,6 +11,7 @@ from attnperf import cpu_table
 from attnperf.backend import Backend
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels import BACKEND_MODULES
+from attnperf.linear_inputs import LinearAttentionInputs
 from attnperf.serving import KVCacheInputs
 
 # Fastest first, per device; on CPU, numba goes first where this machine's measured table
@@ -20,6 +21,8 @@ PRIORITY = {
     "cpu": ("sdpa", "numba", "reference"),
 }
 CPU_NUMBA_FIRST = ("numba", "sdpa", "reference")
+# Linear attention: the fused kernels first, the reference recurrence as the last resort.
+LINEAR_PRIORITY = {"cuda": ("triton", "reference"), "cpu": ("numba", "reference")}
 # Variants that sdpa serves only through an L x S mask built per call, where numba skips
 # what is masked: numba first whatever the table says. `attnperf bench --backends sdpa numba
 # --lengths 1024 2048 4096 8192 16384 --window 256 --causal yes`: numba 2.2x / 6.0x / 16.5x /
@@ -55,10 +58,12 @@ def registry() -> dict[str, Backend]:
     return {backend.name: backend for backend in backends}
 
 
-def priority(inputs: AttentionInputs) -> tuple[str, ...]:
+def priority(inputs: AttentionInputs | LinearAttentionInputs) -> tuple[str, ...]:
     """The order in which "auto" tries the backends for this call."""
     order = PRIORITY.get(inputs.device.type, ("reference",))
-    if inputs.device.type == "cpu" and numba_leads_on_cpu(inputs):
+    if isinstance(inputs, LinearAttentionInputs):
+        order = LINEAR_PRIORITY.get(inputs.device.type, ("reference",))
+    elif inputs.device.type == "cpu" and numba_leads_on_cpu(inputs):
         order = CPU_NUMBA_FIRST
     known = registry()
     return tuple(name for name in order if name in known)
@@ -73,7 +78,9 @@ def check_name(backend: object) -> None:
         raise ValueError(f"unknown backend {backend!r}; known: auto, {', '.join(known)}")
 
 
-def select(inputs: AttentionInputs | KVCacheInputs, backend: str = "auto") -> Backend:
+def select(
+    inputs: AttentionInputs | KVCacheInputs | LinearAttentionInputs, backend: str = "auto"
+) -> Backend:
     """The backend that serves `inputs`: the named one, or the first fitting one for "auto"."""
     check_name(backend)
     known = registry()
@@ -97,3 +104,9 @@ def attend(inputs: AttentionInputs, backend: str = "auto") -> Tensor | tuple[Ten
     """Run `inputs` on the selected backend; the output (and the LSE when the call asked for
     it) in the caller's layout."""
     return inputs.restore(*select(inputs, backend).run(inputs))
+
+
+def linear(inputs: LinearAttentionInputs, backend: str = "auto") -> tuple[Tensor, Tensor | None]:
+    """Run a linear-attention call on the selected backend: (out, final state or None)."""
+    out, state = select(inputs, backend).run_linear(inputs)
+    return out, state if inputs.output_final_state else None

@@ -51,7 +51,7 @@ def _check_heads(q_heads: int, kv_heads: int, what: str) -> None:
         raise ValueError(f"{what} heads ({kv_heads}) must divide the query heads ({q_heads})")
 
 
-def _cu_seqlens(name: str, cu_seqlens: object, total: int) -> tuple[Tensor, Tensor]:
+def check_cu_seqlens(name: str, cu_seqlens: object, total: int) -> tuple[Tensor, Tensor]:
     """(starts, lengths) int64 on the CPU of FlashAttention's cumulative lengths."""
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be an int32 (or int64) tensor, got "
@@ -97,8 +97,8 @@ def prepare_varlen(
         raise ValueError(f"v's (total_k, H) {tuple(v.shape[:2])} must match k's "
                          f"{(total_k, kv_heads)}")  # fmt: skip
     _check_heads(q_heads, kv_heads, "k/v")
-    q_starts, q_lens = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q)
-    k_starts, k_lens = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k)
+    q_starts, q_lens = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q)
+    k_starts, k_lens = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k)
     if len(q_lens) != len(k_lens):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got "
                          f"{len(q_lens)} and {len(k_lens)}")  # fmt: skip

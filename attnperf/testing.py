@@ -7,6 +7,14 @@ absolute floor for the dtype.
     exact = float64_reference(q, k, v, is_causal=True)
     baseline = same_precision_reference(q, k, v, is_causal=True)
     assert_agrees(my_kernel(q, k, v), exact, baseline)
+
+Linear attention's rule is the same in relative RMS terms (an error's RMS over the exact
+result's RMS, which suits a recurrence's long sums): at most twice that of the reference
+recurrence in the kernel's precision, plus a floor for the dtype.
+
+    exact = linear_reference(q.double(), k.double(), v.double(), g=g.double())
+    baseline = linear_reference(q, k, v, g=g)
+    assert_linear_agrees(my_kernel(q, k, v, g), exact[0], baseline[0])
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ import torch
 from torch import Tensor
 
 from attnperf.inputs import prepare
-from attnperf.kernels.reference import reference_attention
+from attnperf.kernels.reference import reference_attention, reference_linear_attention
+from attnperf.linear_inputs import prepare_linear
 
 # Absolute floor added to the tolerance: torch.testing.assert_close's default atol per dtype.
 # It covers results whose baseline is exact by construction (one key: dq is exactly 0 in
@@ -27,6 +36,15 @@ ABSOLUTE_FLOOR = {
     torch.float32: 1e-5,
     torch.float16: 1e-5,
     torch.bfloat16: 1e-5,
+}
+
+
+# Linear attention: relative RMS floors per dtype (the output's rounding in fp16 and bf16).
+RELATIVE_FLOOR = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-6,
+    torch.float16: 1e-4,
+    torch.bfloat16: 1e-3,
 }
 
 
@@ -139,3 +157,39 @@ def mismatch_report(actual: Tensor, expected: Tensor, tolerance: float) -> str:
         f"expected {expected.flatten()[worst].item():.6g}; "
         f"{nonfinite_mismatch} NaN/inf disagreements"
     )
+
+
+def linear_reference(q: Tensor, k: Tensor, v: Tensor, **call: object) -> tuple[Tensor, Tensor]:
+    """The linear-attention recurrence token by token (`linear_attention`'s arguments), in
+    float32 for fp16/bf16/fp32 inputs and in float64 for float64 ones: (out, final state)."""
+    return reference_linear_attention(prepare_linear(q, k, v, **call))
+
+
+def relative_rms_error(actual: Tensor, exact: Tensor) -> float:
+    """RMS(actual - exact) / RMS(exact), in float64; 0 when both are 0 or empty, inf on a
+    one-sided NaN/inf."""
+    diff = elementwise_error(actual, exact)
+    if diff.numel() == 0:
+        return 0.0
+    scale = float(exact.detach().double().square().mean().sqrt())
+    error = float(diff.square().mean().sqrt())
+    return error / scale if scale else (0.0 if error == 0 else float("inf"))
+
+
+def assert_linear_agrees(
+    actual: Tensor, exact: Tensor, baseline: Tensor, *, what: str = "output"
+) -> None:
+    """Raise AssertionError unless `actual`'s relative RMS error against the float64 `exact`
+    is at most twice `baseline`'s (the reference in the same precision) plus the floor."""
+    if actual.dtype != baseline.dtype:
+        raise ValueError(f"{what}: dtype {actual.dtype} differs from baseline's {baseline.dtype}")
+    error, baseline_error = relative_rms_error(actual, exact), relative_rms_error(baseline, exact)
+    tolerance = 2 * baseline_error + RELATIVE_FLOOR[baseline.dtype]
+    if not error <= tolerance:
+        raise AssertionError(
+            f"{what}: relative RMS error {error:.3e} > tolerance {tolerance:.3e} (2 x baseline "
+            f"{baseline_error:.3e} + floor)\n"
+            + mismatch_report(
+                actual, exact, tolerance * float(exact.double().square().mean().sqrt())
+            )
+        )

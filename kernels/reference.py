@@ -11,6 +11,7 @@ from torch import Tensor
 
 from attnperf.backend import FEATURES, Backend, Capabilities
 from attnperf.inputs import SUPPORTED_DTYPES, AttentionInputs, prepare
+from attnperf.linear_inputs import LinearAttentionInputs, l2norm
 from attnperf.serving import KVCacheInputs, cached_keys
 
 
@@ -187,6 +188,44 @@ class ReferenceBackend(Backend):
         out = torch.cat([out for out, _ in parts])
         lse = torch.cat([lse for _, lse in parts]) if inputs.variant.return_lse else None
         return out, lse
+
+    def run_linear(self, inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
+        return reference_linear_attention(inputs)
+
+
+def reference_linear_attention(inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
+    """The linear-attention recurrence token by token, in the compute dtype (float32, or
+    float64 for float64 calls), one sequence at a time; differentiable by autograd.
+    (out (B, T, HV, V) in the call's dtype, final state (N, HV, K, V))."""
+    compute = inputs.compute_dtype
+    group = inputs.value_heads // inputs.key_heads
+    q, k = (t.to(compute) for t in (inputs.query, inputs.key))
+    if inputs.l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q, k = (t.repeat_interleave(group, 2) for t in (q, k))
+    v = inputs.value.to(compute)
+    g = None if inputs.g is None else inputs.g.to(compute)
+    beta = None if inputs.beta is None else inputs.beta.to(compute)
+    h0 = inputs.initial_state
+    rows, states = [], []
+    for n, (slot, start, length) in enumerate(inputs.sequences.tolist()):
+        state = q.new_zeros(inputs.state_shape[1:]) if h0 is None else h0[n].to(compute)
+        for t in range(start, start + length):
+            if g is not None:  # (HV,) -> (HV, 1, 1), or (HV, K) -> (HV, K, 1)
+                decay = g[slot, t].exp()
+                state = state * (decay[:, None, None] if decay.dim() == 1 else decay[..., None])
+            k_t, v_t = k[slot, t], v[slot, t]
+            if beta is not None:
+                v_t = beta[slot, t, :, None] * (v_t - torch.einsum("hkv,hk->hv", state, k_t))
+            state = state + k_t[:, :, None] * v_t[:, None, :]
+            rows.append(torch.einsum("hkv,hk->hv", state, q[slot, t] * inputs.scale))
+        states.append(state)
+    batch, steps = inputs.value.shape[:2]
+    shape = (batch, steps, inputs.value_heads, inputs.value_dim)
+    # Sequences are either each batch entry (0..T) or consecutive along T (cu_seqlens).
+    out = torch.stack(rows).reshape(shape) if rows else v.new_zeros(shape)
+    final = torch.stack(states) if states else v.new_zeros(inputs.state_shape)
+    return out.to(inputs.dtype), final
 
 
 def sequence_call(

@@ -22,7 +22,8 @@ class SdpaBackend(Backend):
         devices=("cpu", "cuda"),
         dtypes=SUPPORTED_DTYPES,
         max_head_dim=None,
-        features=frozenset(FEATURES) - {"softcap", "lse", "kvcache_backward"},
+        features=frozenset(FEATURES)
+        - {"softcap", "lse", "kvcache_backward", "linear", "linear_backward"},
     )
 
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, None]:

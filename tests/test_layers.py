@@ -14,7 +14,7 @@ SOURCES = {"attnperf": ROOT / "attnperf", "attnperf.kernels": ROOT / "kernels"}
 LAYERS = (
     ("machine and layouts", ("attnperf.version", "attnperf.machine", "attnperf.layouts")),
     ("inputs",
-     ("attnperf.inputs", "attnperf.serving", "attnperf.cpu_table")),
+     ("attnperf.inputs", "attnperf.serving", "attnperf.linear_inputs", "attnperf.cpu_table")),
     ("backend contract", ("attnperf.backend",)),
     ("kernels", ("attnperf.kernels", "attnperf.kernels.*")),
     ("dispatch", ("attnperf.dispatch",)),

@@ -147,3 +147,101 @@ def test_the_registered_function_really_runs(monkeypatch):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     layers = model.config.num_hidden_layers
     assert calls == ["padded_batch"] * layers + ["attention_with_kvcache"] * 2 * layers
+
+
+# ---------------------------------------------------------------------- linear attention
+def qwen3_next():
+    """Gated delta rule (3 layers) and full attention (1), 4 value heads over 2 key heads."""
+    return transformers.Qwen3NextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )  # fmt: skip
+
+
+def qwen3_5():
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )  # fmt: skip
+
+
+LINEAR_CONFIGS = {"qwen3-next": qwen3_next, "qwen3.5": qwen3_5}
+
+
+def build_linear(config):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model", LINEAR_CONFIGS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_attention_models_give_transformers_logits_and_tokens(model, backend, monkeypatch):
+    """A left-padded prompt (the chunked kernel), then greedy cached decoding (one token a
+    step on the carried state: the recurrent kernel): transformers' own logits and tokens,
+    every recurrence served by attnperf; an unpatched model of the same kind is untouched."""
+    import attnperf.integrations.transformers as integration
+    from attnperf.integrations.transformers import patch_linear_attention
+
+    steps = []
+    original = integration.linear_attention
+
+    def spy(q, *args, **kwargs):
+        steps.append(q.shape[1])
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(integration, "linear_attention", spy)
+    ids, mask = left_padded_batch()
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    reference, patched = (build_linear(LINEAR_CONFIGS[model]()) for _ in range(2))
+    patch_linear_attention(patched, backend=backend)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+        assert steps == []  # the unpatched model ran transformers' own recurrence
+        actual = patched(input_ids=ids, attention_mask=mask).logits
+        assert steps == [12] * 3
+        expected_tokens = reference.generate(ids, attention_mask=mask, **kwargs)
+        tokens = patched.generate(ids, attention_mask=mask, **kwargs)
+    real = mask.bool()
+    torch.testing.assert_close(actual[real], expected[real], rtol=1e-4, atol=1e-4)
+    assert torch.equal(tokens, expected_tokens)
+    assert steps[3:] == [12] * 3 + [1] * 3 * 5  # prefill, then 5 single-token steps
+
+
+def test_patch_linear_attention_refuses_a_model_without_such_layers():
+    from attnperf.integrations.transformers import patch_linear_attention
+
+    with pytest.raises(ValueError, match="no linear-attention layer"):
+        patch_linear_attention(build(llama(), "sdpa"))
+    with pytest.raises(ValueError, match="unknown backend"):
+        patch_linear_attention(build_linear(qwen3_next()), backend="fast")
+
+
+@pytest.mark.parametrize(
+    "function", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"]
+)
+def test_linear_attention_equals_transformers_fallbacks(function):
+    """On the fallbacks' own inputs (grouped value heads, l2norm, a carried state)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as modeling
+
+    import attnperf
+
+    fallback = getattr(modeling, function)
+    fallback = getattr(fallback, "attnperf_original", fallback)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 70, 2, 16, generator=gen) for _ in range(2))
+    v = torch.randn(2, 70, 4, 8, generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(2, 70, 4, generator=gen))
+    beta = torch.rand(2, 70, 4, generator=gen)
+    state = torch.randn(2, 4, 16, 8, generator=gen)
+    call = {"g": g, "beta": beta, "initial_state": state, "output_final_state": True}
+    expected = fallback(q, k, v, **call, use_qk_l2norm_in_kernel=True)
+    actual = attnperf.linear_attention(q, k, v, **call, use_qk_l2norm=True)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)

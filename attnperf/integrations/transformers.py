@@ -4,17 +4,22 @@ from attnperf.integrations.transformers import register
 register()  # name "attnperf", backend "auto"
 model.set_attn_implementation("attnperf")
 # or AutoModelForCausalLM.from_config(config, attn_implementation="attnperf")
+
+patch_linear_attention(model)  # its gated-delta-rule layers (Qwen3-Next, Qwen3.5, ...)
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import inspect
+import sys
 
 import torch
 from torch import Tensor
 
 from attnperf import dispatch
-from attnperf.api import attention, attention_with_kvcache
+from attnperf.api import attention, attention_with_kvcache, linear_attention
 from attnperf.inputs import prepare
 from attnperf.serving import padded_batch
 
@@ -164,3 +169,88 @@ def register(name: str = "attnperf", backend: str = "auto") -> str:
     AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
     AttentionMaskInterface.register(name, mask_function)
     return name
+
+
+# ---------------------------------------------------------------------- linear attention
+# The functions through which transformers' linear-attention layers run their recurrence
+# (its torch fallbacks of fla's kernels), per modeling module: Qwen3-Next, Qwen3.5 and
+# OLMo-hybrid's gated delta rule, Kimi Linear's KDA (per key dim gates). Each has fla's
+# arguments: (query, key, value, g, beta, ..., initial_state, output_final_state,
+# use_qk_l2norm_in_kernel, cu_seqlens).
+LINEAR_FUNCTIONS = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "chunk_kimi_delta_attention",
+    "recurrent_kimi_delta_attention",
+)
+# The backend of the patched layer now running on this thread (None: transformers' own).
+_LINEAR_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "attnperf_linear_backend", default=None
+)
+
+
+def _serve_linear(original):
+    """`original` (one of LINEAR_FUNCTIONS) unchanged, except inside a patched layer."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def serve(*args, **kwargs):
+        backend = _LINEAR_BACKEND.get()
+        if backend is None:
+            return original(*args, **kwargs)
+        call = signature.bind(*args, **kwargs).arguments
+        extra = call.get("kwargs", {})
+        return linear_attention(
+            call["query"], call["key"], call["value"], g=call["g"], beta=call["beta"],
+            initial_state=call.get("initial_state"),
+            output_final_state=bool(call.get("output_final_state", False)),
+            cu_seqlens=call.get("cu_seqlens", extra.get("cu_seqlens")),
+            use_qk_l2norm=bool(call.get("use_qk_l2norm_in_kernel", False)), backend=backend,
+        )  # fmt: skip
+
+    serve.attnperf_original = original
+    return serve
+
+
+def _run_with_backend(forward, backend: str, *args, **kwargs):
+    token = _LINEAR_BACKEND.set(backend)
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        _LINEAR_BACKEND.reset(token)
+
+
+def patch_linear_attention(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
+    """Run `model`'s linear-attention layers on attnperf's linear_attention; returns `model`.
+
+    Every submodule whose modeling module defines one of LINEAR_FUNCTIONS (the gated delta
+    rule of Qwen3-Next, Qwen3.5 and OLMo-hybrid; Kimi Linear's KDA) runs its recurrence on
+    `backend`: prefill on the chunked kernel, cached decoding on the recurrent one, with
+    transformers' own cache and padding handling around it. Other models in the process are
+    untouched: the modeling module's functions are wrapped once, and serve attnperf only
+    while a patched layer runs. Raises ValueError when the model has no such layer.
+    """
+    dispatch.check_name(backend)
+    patched = 0
+    for layer in model.modules():
+        module = sys.modules.get(type(layer).__module__)
+        names = [n for n in LINEAR_FUNCTIONS if callable(getattr(module, n, None))]
+        if not names or not _calls_any(type(layer).forward, names):
+            continue
+        for name in names:
+            function = getattr(module, name)
+            if not hasattr(function, "attnperf_original"):
+                setattr(module, name, _serve_linear(function))
+        original = layer.__dict__.get("attnperf_forward", layer.forward)
+        layer.attnperf_forward = original
+        layer.forward = functools.partial(_run_with_backend, original, backend)
+        patched += 1
+    if not patched:
+        raise ValueError(f"{type(model).__name__} has no linear-attention layer that attnperf "
+                         f"serves (it looks for {', '.join(LINEAR_FUNCTIONS)})")  # fmt: skip
+    return model
+
+
+def _calls_any(forward, names: list[str]) -> bool:
+    """Whether `forward`'s code refers to one of `names` (the layer that runs them)."""
+    return any(name in inspect.unwrap(forward).__code__.co_names for name in names)

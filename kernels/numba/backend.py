@@ -8,6 +8,7 @@ from attnperf.backend import FEATURES, Capabilities, FusedBackend
 from attnperf.kernels.numba.attention import numba_attention_backward, numba_attention_forward
 from attnperf.kernels.numba.jit import MISSING
 from attnperf.kernels.numba.kvcache import numba_kvcache_forward
+from attnperf.kernels.numba.linear import numba_linear_backward, numba_linear_forward
 
 
 class NumbaBackend(FusedBackend):
@@ -23,6 +24,8 @@ class NumbaBackend(FusedBackend):
     forward = staticmethod(numba_attention_forward)
     backward = staticmethod(numba_attention_backward)
     kvcache_forward = staticmethod(numba_kvcache_forward)
+    linear_forward = staticmethod(numba_linear_forward)
+    linear_backward = staticmethod(numba_linear_backward)
 
     def unavailable_reason(self) -> str | None:
         return MISSING

@@ -1,0 +1,540 @@
+"""Linear attention: chunked forward and backward (additive, gated, delta rule) and a fused
+per-token step for decoding.
+
+Per value head and chunk of C steps (positions i, j within it), with Gamma_i the cumulative
+gate of the chunk up to i (per key dim for vector gates, else one per step), q^ = scale q:
+
+    A_ij = sum_d q^_id k_jd exp(Gamma_id - Gamma_jd), j <= i    (the chunk's own attention)
+    delta rule: M_ij = beta_i sum_d k_id k_jd exp(Gamma_id - Gamma_jd), j < i, T = (I + M)^-1,
+        W = T diag(beta) (k exp(Gamma)), U~ = T diag(beta) v, U = U~ - W S0 (the WY form);
+        additive rule: U = v
+    O = (q^ exp(Gamma)) S0 + A U
+    S1 = exp(Gamma_last) S0 + (k exp(Gamma_last - Gamma))^T U
+
+S0 and S1 are the state before and after the chunk. Every exponential is of a non-positive
+difference (gates <= 0), so strong decay underflows to 0 and never overflows. The products
+are BLAS tiles; the backward runs the chunks again to recover each chunk's S0, then walks
+them in reverse (reverse-mode of the lines above). One prange item per (sequence, value
+head); its gradients of q and k are per value head, summed over the group afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnperf.kernels.numba.blas import gemm
+from attnperf.kernels.numba.fastmath import LOG2E, exp2
+from attnperf.kernels.numba.jit import FASTMATH, njit, prange
+from attnperf.kernels.numba.launch import as_numpy, float32_array, run_parallel
+from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs
+
+# Steps per chunk: the intra-chunk work (C^2 (K + V) per chunk) against the state's (C K V).
+CHUNK = 64
+# Sequences up to this many steps run the per-token kernel when no gradient is needed:
+# decoding and speculative steps (the chunked form's fixed costs dominate short sequences).
+RECURRENT_MAX_STEPS = 16
+
+
+# ---------------------------------------------------------------------------- helpers
+@njit(fastmath=FASTMATH)
+def chunk_gates(g, slot, t0, rows, hv, gamma, e_in, e_out):
+    """gamma[:rows] <- the cumulative gates of rows t0 .. t0 + rows - 1 (per key dim, or one
+    column), e_in <- exp(Gamma_i), e_out <- exp(Gamma_last - Gamma_i). gamma is float64: a
+    chunk's cumulative gate reaches -1e3 and more, where float32's rounding would cost
+    exp(Gamma_i - Gamma_j) 1e-4 of relative error."""
+    for d in range(gamma.shape[1]):
+        total = 0.0
+        for i in range(rows):
+            total += g[slot, t0 + i, hv, d]
+            gamma[i, d] = total
+        for i in range(rows):
+            e_in[i, d] = np.exp(gamma[i, d])
+            e_out[i, d] = np.exp(total - gamma[i, d])
+
+
+@njit(fastmath=FASTMATH)
+def decay(gamma, i, j, d):
+    """exp(Gamma_i - Gamma_j) in float32, gate column d: step j's decay until step i (the
+    difference taken in float64, the exponential by the vectorisable exp2)."""
+    return exp2(np.float32((gamma[i, d] - gamma[j, d]) * LOG2E))
+
+
+@njit(fastmath=FASTMATH)
+def pair_scores(x, y, gamma, gated, strict, out):
+    """out[i, j] = sum_d x_id y_jd exp(gamma_id - gamma_jd) for j <= i (j < i when strict),
+    0 above, on rows x rows (rows = x.shape[0])."""
+    rows = x.shape[0]
+    vector = gated and gamma.shape[1] > 1
+    if vector:  # exp(gamma_i - gamma_j) differs per key dim: no product to factor out
+        for i in range(rows):
+            for j in range(i + 1 - strict):
+                total = np.float32(0.0)
+                for d in range(x.shape[1]):
+                    total += x[i, d] * y[j, d] * decay(gamma, i, j, d)
+                out[i, j] = total
+    else:
+        gemm(x, y, out[:rows, :rows], 1.0, 0.0, False, True)
+        if gated:
+            for i in range(rows):
+                for j in range(i + 1 - strict):
+                    out[i, j] *= decay(gamma, i, j, 0)
+    for i in range(rows):
+        for j in range(i + 1 - strict, rows):
+            out[i, j] = 0.0
+
+
+@njit(fastmath=FASTMATH)
+def add_crossing(r, rows, dg, d):
+    """dg[s, d] += sum over pairs j < s <= i of r[i, j] (r strictly lower): a pair's gate
+    term reaches the steps between its two ends. Summed as such, never as a difference of
+    suffix sums, which would cancel large terms of pairs on one side of s."""
+    column = np.zeros(rows, np.float64)  # column[j] = sum_{i >= s} r[i, j]
+    for s in range(rows - 1, 0, -1):
+        total = 0.0
+        for j in range(s):
+            column[j] += r[s, j]
+            total += column[j]
+        dg[s, d] += total
+
+
+@njit(fastmath=FASTMATH)
+def pair_scores_backward(d_out, scores, x, y, gamma, gated, strict, dx, dy, dg):
+    """dx, dy += the gradients of pair_scores through d_out (its forward `scores`), and the
+    gates' share to dg (C, gate dims): the gradient of each step's own gate g_s."""
+    rows = x.shape[0]
+    crossing = np.zeros((rows, rows), np.float32)  # gate terms of the pairs j < i
+    if gated and gamma.shape[1] > 1:
+        for d in range(x.shape[1]):
+            for i in range(rows):
+                for j in range(i + 1 - strict):
+                    t = d_out[i, j] * decay(gamma, i, j, d)
+                    dx[i, d] += t * y[j, d]
+                    dy[j, d] += t * x[i, d]
+                    crossing[i, j] = t * x[i, d] * y[j, d] if j < i else np.float32(0.0)
+            add_crossing(crossing, rows, dg, d)
+        return
+    weighted = np.zeros((rows, rows), np.float32)  # d_out * exp(gamma_i - gamma_j), masked
+    for i in range(rows):
+        for j in range(i + 1 - strict):
+            weighted[i, j] = d_out[i, j]
+            if gated:
+                weighted[i, j] *= decay(gamma, i, j, 0)
+                if j < i:
+                    crossing[i, j] = d_out[i, j] * scores[i, j]
+    if gated:
+        add_crossing(crossing, rows, dg, 0)
+    gemm(weighted, y, dx, 1.0, 1.0, False, False)
+    gemm(weighted, x, dy, 1.0, 1.0, True, False)
+
+
+@njit(fastmath=FASTMATH)
+def to_raw(grad, loaded, scale, inverse_norm, l2norm, out):
+    """out <- the gradient of a raw row x from `grad`, that of loaded = scale * n(x) (n the
+    l2norm when asked: dx = r (dn - n (n . dn)), r the inverse norm)."""
+    if not l2norm:
+        for d in range(grad.shape[0]):
+            out[d] = grad[d] * scale
+        return
+    total = np.float32(0.0)
+    for d in range(grad.shape[0]):
+        total += loaded[d] * grad[d]
+    total /= scale  # n . (scale dloaded) with n = loaded / scale
+    for d in range(grad.shape[0]):
+        out[d] = inverse_norm * (grad[d] * scale - loaded[d] * total)
+
+
+@njit(fastmath=FASTMATH)
+def unit_lower_inverse(m, rows, t):
+    """t[:rows, :rows] <- (I + m)^-1 for m strictly lower triangular (forward substitution,
+    row by row: t_i = e_i - sum_{j<i} m_ij t_j)."""
+    for i in range(rows):
+        for j in range(rows):
+            t[i, j] = 0.0
+        for j in range(i):
+            coefficient = m[i, j]
+            if coefficient == 0:
+                continue
+            for c in range(j + 1):
+                t[i, c] -= coefficient * t[j, c]
+        t[i, i] = 1.0
+
+
+@njit(fastmath=FASTMATH)
+def scale_rows(x, factors, e, out):
+    """out[i, d] = x[i, d] * factors[i] * e[i, d] (e's one column for every d when it has
+    one); factors may be empty (1)."""
+    rows, dims = x.shape
+    for i in range(rows):
+        f = factors[i] if factors.shape[0] > 0 else np.float32(1.0)
+        if e.shape[1] == 1:
+            fe = f * e[i, 0]
+            for d in range(dims):
+                out[i, d] = x[i, d] * fe
+        else:
+            for d in range(dims):
+                out[i, d] = x[i, d] * f * e[i, d]
+
+
+@njit(fastmath=FASTMATH)
+def load_rows(x, slot, t0, rows, h, factors, scale, l2norm, out, inverse_norms):
+    """out[:rows] <- rows t0 .. t0 + rows - 1 of head h of x (B, T, heads, dim) times scale
+    and factors[i] (when not empty), l2-normalised first when asked (inverse_norms <- 1 /
+    sqrt(sum(x^2) + 1e-6)): a contiguous copy for the products. Indexing the 4-D array
+    itself, whose last dim numba knows to be contiguous, lets the loops vectorise."""
+    for i in range(rows):
+        factor = scale * (factors[i] if factors.shape[0] > 0 else np.float32(1.0))
+        if l2norm:
+            total = np.float32(0.0)
+            for d in range(x.shape[3]):
+                total += x[slot, t0 + i, h, d] * x[slot, t0 + i, h, d]
+            inverse_norms[i] = np.float32(1.0) / np.sqrt(total + np.float32(L2NORM_EPS))
+            factor *= inverse_norms[i]
+        for d in range(x.shape[3]):
+            out[i, d] = x[slot, t0 + i, h, d] * factor
+
+
+@njit(fastmath=FASTMATH)
+def chunk_forward(q, k, v, g, beta, scale, l2norm, slot, hv, hk, t0, rows, gated, delta,
+                  state, scratch):  # fmt: skip
+    """One chunk's forward quantities from its rows t0 .. t0 + rows - 1 and the state S0
+    before it, into `scratch` (new_scratch's arrays, (C, ...); only [:rows] is meaningful):
+    gamma, e_in, e_out (chunk_gates; 0, 1, 1 when ungated), qs = q^ (scaled, normalised
+    when asked), kc = k (normalised when asked), q_inv and k_inv their rows' inverse norms,
+    a = A, qg = q^ exp(Gamma), kd = k exp(Gamma_last - Gamma), u = U; for the delta rule
+    also kk (M without beta), tm = T, x = beta k exp(Gamma), z = beta v - x S0."""
+    gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, kk, m, tm, x, z, u, qg, kd = scratch
+    if gated:
+        chunk_gates(g, slot, t0, rows, hv, gamma, e_in, e_out)
+    no_factor = e_in[:0, 0]
+    one = np.float32(1.0)
+    load_rows(q, slot, t0, rows, hk, no_factor, scale, l2norm, qs, q_inv)
+    load_rows(k, slot, t0, rows, hk, no_factor, one, l2norm, kc, k_inv)
+    k_c = kc[:rows]
+    pair_scores(qs[:rows], k_c, gamma, gated, 0, a)
+    scale_rows(qs[:rows], no_factor, e_in, qg[:rows])
+    scale_rows(k_c, no_factor, e_out, kd[:rows])
+    if not delta:
+        load_rows(v, slot, t0, rows, hv, no_factor, one, False, u, q_inv)
+        return
+    b_c = beta[slot, t0 : t0 + rows, hv]
+    pair_scores(k_c, k_c, gamma, gated, 1, kk)
+    for i in range(rows):
+        for j in range(i):
+            m[i, j] = b_c[i] * kk[i, j]
+    unit_lower_inverse(m, rows, tm)
+    scale_rows(k_c, b_c, e_in, x[:rows])
+    load_rows(v, slot, t0, rows, hv, b_c, one, False, z, q_inv)
+    gemm(x[:rows], state, z[:rows], -1.0, 1.0, False, False)
+    gemm(tm[:rows, :rows], z[:rows], u[:rows], 1.0, 0.0, False, False)
+
+
+@njit(fastmath=FASTMATH)
+def advance_state(state, e_in, rows, gated, kd, u):
+    """S <- exp(Gamma_last) S + kd^T U: the state after the chunk."""
+    if gated:
+        for d in range(state.shape[0]):
+            factor = e_in[rows - 1, d if e_in.shape[1] > 1 else 0]
+            for e in range(state.shape[1]):
+                state[d, e] *= factor
+    gemm(kd[:rows], u[:rows], state, 1.0, 1.0, True, False)
+
+
+@njit(fastmath=FASTMATH)
+def new_scratch(head_dim, value_dim, gate_dims):
+    """chunk_forward's scratch arrays, one set per item (see chunk_forward)."""
+    c = CHUNK
+    f = np.float32
+    return (
+        np.zeros((c, gate_dims), np.float64), np.ones((c, gate_dims), f),
+        np.ones((c, gate_dims), f), np.empty((c, head_dim), f), np.empty((c, head_dim), f),
+        np.ones(c, f), np.ones(c, f), np.empty((c, c), f),
+        np.empty((c, c), f), np.zeros((c, c), f), np.empty((c, c), f), np.empty((c, head_dim), f),
+        np.empty((c, value_dim), f), np.empty((c, value_dim), f), np.empty((c, head_dim), f),
+        np.empty((c, head_dim), f),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- kernels
+@njit(parallel=True, fastmath=FASTMATH)
+def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
+                           final):  # fmt: skip
+    """out (B, T, HV, V) and final (N, HV, K, V) by chunks; h0 (N, HV, K, V) or empty."""
+    heads, value_dim = v.shape[2], v.shape[3]
+    group = heads // k.shape[2]
+    head_dim = k.shape[3]
+    for item in prange(sequences.shape[0] * heads):
+        n, hv = np.int64(item) // heads, np.int64(item) % heads
+        slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
+        state = final[n, hv]
+        if h0.shape[0] > 0:
+            state[:] = h0[n, hv]
+        else:
+            state[:] = 0.0
+        scratch = new_scratch(head_dim, value_dim, g.shape[3])
+        _, e_in, _, _, _, _, _, a, _, _, _, _, _, u, qg, kd = scratch
+        for t0 in range(start, start + length, CHUNK):
+            rows = min(CHUNK, start + length - t0)
+            chunk_forward(q, k, v, g, beta, scale, l2norm, slot, hv, hv // group, t0, rows,
+                          gated, delta, state, scratch)  # fmt: skip
+            o = out[slot, t0 : t0 + rows, hv]
+            gemm(qg[:rows], state, o, 1.0, 0.0, False, False)
+            gemm(a[:rows, :rows], u[:rows], o, 1.0, 1.0, False, False)
+            advance_state(state, e_in, rows, gated, kd, u)
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
+                            grad_out, grad_final, dq, dk, dv, dg, dbeta, dh0):  # fmt: skip
+    """Gradients by chunks in reverse: dq, dk (B, T, HV, K) per value head, dv, dg (B, T, HV,
+    gate dims), dbeta (B, T, HV), dh0 (N, HV, K, V); grad_final empty when none."""
+    heads, value_dim = v.shape[2], v.shape[3]
+    group = heads // k.shape[2]
+    head_dim = k.shape[3]
+    for item in prange(sequences.shape[0] * heads):
+        n, hv = np.int64(item) // heads, np.int64(item) % heads
+        hk = hv // group
+        slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
+        chunks = (length + CHUNK - 1) // CHUNK
+        starts = np.empty((chunks, head_dim, value_dim), np.float32)  # S0 of each chunk
+        state = np.zeros((head_dim, value_dim), np.float32)
+        if h0.shape[0] > 0:
+            state[:] = h0[n, hv]
+        scratch = new_scratch(head_dim, value_dim, g.shape[3])
+        gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, kk, _, tm, x, z, u, qg, kd = scratch
+        for c in range(chunks):
+            t0 = start + c * CHUNK
+            rows = min(CHUNK, start + length - t0)
+            starts[c] = state
+            chunk_forward(q, k, v, g, beta, scale, l2norm, slot, hv, hk, t0, rows, gated, delta,
+                          state, scratch)  # fmt: skip
+            advance_state(state, e_in, rows, gated, kd, u)
+        ds = np.zeros((head_dim, value_dim), np.float32)
+        if grad_final.shape[0] > 0:
+            ds[:] = grad_final[n, hv]
+        gate_dims = g.shape[3]
+        du = np.empty((CHUNK, value_dim), np.float32)
+        da = np.empty((CHUNK, CHUNK), np.float32)
+        dqg = np.empty((CHUNK, head_dim), np.float32)
+        dkd = np.empty((CHUNK, head_dim), np.float32)
+        dqs = np.empty((CHUNK, head_dim), np.float32)
+        dk_c = np.empty((CHUNK, head_dim), np.float32)
+        dg_c = np.empty((CHUNK, gate_dims), np.float32)  # the chunk's gate gradients
+        own = np.empty((CHUNK, gate_dims), np.float32)  # terms of Gamma_i alone: all s <= i
+        to_last = np.empty((CHUNK, gate_dims), np.float32)  # kd's pairs (i, last): i < s
+        dt = np.empty((CHUNK, CHUNK), np.float32)
+        dx = np.empty((CHUNK, head_dim), np.float32)
+        dz = np.empty((CHUNK, value_dim), np.float32)
+        tmp = np.empty((CHUNK, CHUNK), np.float32)
+        dkk = np.empty((CHUNK, CHUNK), np.float32)
+        for c in range(chunks - 1, -1, -1):
+            t0 = start + c * CHUNK
+            rows = min(CHUNK, start + length - t0)
+            s0 = starts[c]
+            chunk_forward(q, k, v, g, beta, scale, l2norm, slot, hv, hk, t0, rows, gated, delta,
+                          s0, scratch)  # fmt: skip
+            k_c = kc[:rows]
+            do = grad_out[slot, t0 : t0 + rows, hv]
+            dqs[:rows] = 0.0
+            dk_c[:rows] = 0.0
+            dg_c[:rows] = 0.0
+            own[:rows] = 0.0
+            to_last[:rows] = 0.0
+            # O = qg S0 + A U and S1 = exp(Gamma_last) S0 + kd^T U:
+            gemm(a[:rows, :rows], do, du[:rows], 1.0, 0.0, True, False)
+            gemm(kd[:rows], ds, du[:rows], 1.0, 1.0, False, False)
+            gemm(do, u[:rows], da[:rows, :rows], 1.0, 0.0, False, True)
+            gemm(do, s0, dqg[:rows], 1.0, 0.0, False, True)
+            gemm(u[:rows], ds, dkd[:rows], 1.0, 0.0, False, True)
+            if gated:  # S1's exp(Gamma_last) S0 term, before ds becomes dS0
+                for d in range(head_dim):
+                    gd = d if gate_dims > 1 else 0
+                    factor = e_in[rows - 1, gd]
+                    total = np.float32(0.0)
+                    for e in range(value_dim):
+                        total += ds[d, e] * s0[d, e]
+                    own[rows - 1, gd] += total * factor
+                    for e in range(value_dim):
+                        ds[d, e] *= factor
+            gemm(qg[:rows], do, ds, 1.0, 1.0, True, False)
+            if delta:  # U = T Z, Z = diag(beta) v - X S0, T = (I + M)^-1, M = diag(beta) kk
+                b_c = beta[slot, t0 : t0 + rows, hv]
+                gemm(tm[:rows, :rows], du[:rows], dz[:rows], 1.0, 0.0, True, False)
+                gemm(du[:rows], z[:rows], dt[:rows, :rows], 1.0, 0.0, False, True)
+                gemm(dz[:rows], s0, dx[:rows], -1.0, 0.0, False, True)
+                gemm(x[:rows], dz[:rows], ds, -1.0, 1.0, True, False)
+                gemm(tm[:rows, :rows], dt[:rows, :rows], tmp[:rows, :rows], 1.0, 0.0, True, False)
+                gemm(tmp[:rows, :rows], tm[:rows, :rows], dkk[:rows, :rows], -1.0, 0.0, False,
+                     True)  # fmt: skip
+                for i in range(rows):
+                    total = np.float32(0.0)
+                    for d in range(head_dim):  # x = beta kg, kg = k exp(Gamma)
+                        gd = d if gate_dims > 1 else 0
+                        e_i = e_in[i, gd]
+                        total += dx[i, d] * k_c[i, d] * e_i
+                        dxb = dx[i, d] * b_c[i]
+                        dk_c[i, d] += dxb * e_i
+                        own[i, gd] += dxb * k_c[i, d] * e_i
+                    for e in range(value_dim):
+                        total += dz[i, e] * v[slot, t0 + i, hv, e]
+                        dv[slot, t0 + i, hv, e] = dz[i, e] * b_c[i]
+                    for j in range(i):
+                        total += dkk[i, j] * kk[i, j]
+                        dkk[i, j] *= b_c[i]
+                    dbeta[slot, t0 + i, hv] = total
+                pair_scores_backward(dkk, kk, k_c, k_c, gamma, gated, 1, dk_c[:rows],
+                                     dk_c[:rows], dg_c)  # fmt: skip
+            else:
+                dv[slot, t0 : t0 + rows, hv] = du[:rows]
+            pair_scores_backward(da, a, qs[:rows], k_c, gamma, gated, 0, dqs[:rows], dk_c[:rows],
+                                 dg_c)  # fmt: skip
+            for i in range(rows):
+                for d in range(head_dim):
+                    gd = d if gate_dims > 1 else 0
+                    dqs[i, d] += dqg[i, d] * e_in[i, gd]
+                    dk_c[i, d] += dkd[i, d] * e_out[i, gd]
+                    own[i, gd] += dqg[i, d] * qg[i, d]
+                    to_last[i, gd] += dkd[i, d] * kd[i, d]
+            for i in range(rows):  # to the raw q and k (through their l2norm, when asked)
+                to_raw(dqs[i], qs[i], scale, q_inv[i], l2norm, dq[slot, t0 + i, hv])
+                to_raw(dk_c[i], kc[i], np.float32(1.0), k_inv[i], l2norm, dk[slot, t0 + i, hv])
+            if gated:  # Gamma_i = sum_{s <= i} g_s
+                for d in range(gate_dims):
+                    total = np.float32(0.0)  # own terms of i >= s
+                    for i in range(rows - 1, -1, -1):
+                        total += own[i, d]
+                        dg_c[i, d] += total
+                    total = np.float32(0.0)  # pairs (i, last) with i < s
+                    for i in range(1, rows):
+                        total += to_last[i - 1, d]
+                        dg_c[i, d] += total
+                dg[slot, t0 : t0 + rows, hv] = dg_c[:rows]
+        dh0[n, hv] = ds
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
+                             final):  # fmt: skip
+    """The recurrence token by token, fused: per (sequence, value head) the state is read,
+    updated in `final` and written once; for decoding and short sequences."""
+    heads, value_dim = v.shape[2], v.shape[3]
+    group = heads // k.shape[2]
+    head_dim = k.shape[3]
+    for item in prange(sequences.shape[0] * heads):
+        n, hv = np.int64(item) // heads, np.int64(item) % heads
+        hk = hv // group
+        slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
+        state = final[n, hv]
+        if h0.shape[0] > 0:
+            state[:] = h0[n, hv]
+        else:
+            state[:] = 0.0
+        rows = np.empty((2, head_dim), np.float32)  # q^ and k of the step
+        no_norms = np.empty(2, np.float32)
+        no_factor = no_norms[:0]
+        step_decay = np.ones(head_dim, np.float32)
+        read_k = np.empty(value_dim, np.float32)
+        read_q = np.empty(value_dim, np.float32)
+        update = np.empty(value_dim, np.float32)
+        for t in range(start, start + length):
+            load_rows(q, slot, t, 1, hk, no_factor, scale, l2norm, rows[0:1], no_norms)
+            load_rows(k, slot, t, 1, hk, no_factor, np.float32(1.0), l2norm, rows[1:2], no_norms)
+            q_t, k_t, v_t = rows[0], rows[1], v[slot, t, hv]
+            if gated:
+                for d in range(head_dim):
+                    step_decay[d] = np.exp(g[slot, t, hv, d if g.shape[3] > 1 else 0])
+            # S' = diag(step_decay) S: S'^T k = S^T (step_decay k), S'^T q^ likewise.
+            read_k[:] = 0.0
+            read_q[:] = 0.0
+            overlap = np.float32(0.0)
+            for d in range(head_dim):
+                overlap += k_t[d] * q_t[d]
+                kd, qd = k_t[d] * step_decay[d], q_t[d] * step_decay[d]
+                row = state[d]
+                for e in range(value_dim):
+                    read_k[e] += row[e] * kd
+                    read_q[e] += row[e] * qd
+            b = beta[slot, t, hv] if delta else np.float32(1.0)
+            for e in range(value_dim):
+                update[e] = b * (v_t[e] - read_k[e]) if delta else v_t[e]
+                out[slot, t, hv, e] = read_q[e] + update[e] * overlap
+            for d in range(head_dim):
+                row, kd, dd = state[d], k_t[d], step_decay[d]
+                for e in range(value_dim):
+                    row[e] = dd * row[e] + kd * update[e]
+
+
+# ---------------------------------------------------------------------------- launchers
+def contiguous_fp32(tensor: Tensor | None, empty_shape: tuple[int, ...]) -> np.ndarray:
+    """A C-contiguous fp32 array of `tensor` (a view when it is one already), or an empty
+    array of `empty_shape` for None."""
+    if tensor is None:
+        return np.zeros(empty_shape, np.float32)
+    return as_numpy(tensor.detach().to(torch.float32).contiguous())
+
+
+def _arrays(inputs: LinearAttentionInputs) -> tuple:
+    """(q, k, v, g (B, T, HV, gate dims), beta, h0, sequences) for the kernels."""
+    q, k, v = (contiguous_fp32(t, ()) for t in (inputs.query, inputs.key, inputs.value))
+    g = inputs.g
+    if g is not None and g.dim() == 3:
+        g = g[..., None]
+    return (
+        q, k, v, contiguous_fp32(g, (0, 0, 0, 1)), contiguous_fp32(inputs.beta, (0, 0, 0)),
+        contiguous_fp32(inputs.initial_state, (0, 0, 0, 0)), inputs.sequences.numpy(),
+    )  # fmt: skip
+
+
+def numba_linear_forward(inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
+    """(out (B, T, HV, V) in the call's dtype, final state (N, HV, K, V) float32): the
+    per-token kernel for short sequences without gradients, else the chunked one."""
+    runs = math.prod(inputs.state_shape) > 0  # else nothing to compute: zeros
+    # The kernels write every row of the output and the state (the sequences cover T).
+    out, out_array = float32_array(inputs.value.shape, zero=not runs)
+    final, final_array = float32_array(inputs.state_shape, zero=not runs)
+    longest = int(inputs.sequences[:, 2].max()) if inputs.count else 0
+    recurrent = longest <= RECURRENT_MAX_STEPS and not inputs.needs_grad
+    kernel = linear_forward_recurrent if recurrent else linear_forward_chunked
+    if runs:
+        run_parallel(kernel, *_arrays(inputs), np.float32(inputs.scale), inputs.l2norm,
+                     inputs.g is not None, inputs.beta is not None, out_array,
+                     final_array)  # fmt: skip
+    return out.to(inputs.dtype), final
+
+
+def numba_linear_backward(
+    inputs: LinearAttentionInputs, grad_out: Tensor | None, grad_state: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    """(dq, dk, dv, dg, dbeta, dinitial_state), each in its input's dtype, None where the
+    call has no such input."""
+    batch, steps, heads = inputs.value.shape[:3]
+    head_dim, gate_dims = inputs.head_dim, 1 if inputs.gate != "vector" else inputs.head_dim
+    arrays = _arrays(inputs)
+    if grad_out is None:
+        grad_out = torch.zeros(inputs.value.shape)
+    do = contiguous_fp32(grad_out, ())
+    d_final = contiguous_fp32(grad_state, (0, 0, 0, 0))
+    per_value_head = (batch, steps, heads, head_dim)
+    buffers = [
+        float32_array(shape, zero=True)
+        for shape in (per_value_head, per_value_head, inputs.value.shape,
+                      (batch, steps, heads, gate_dims), (batch, steps, heads), inputs.state_shape)
+    ]  # fmt: skip
+    if inputs.count and heads:
+        run_parallel(linear_backward_chunked, *arrays, np.float32(inputs.scale), inputs.l2norm,
+                     inputs.g is not None, inputs.beta is not None, do, d_final,
+                     *(array for _, array in buffers))  # fmt: skip
+    dq, dk, dv, dg, dbeta, dh0 = (tensor for tensor, _ in buffers)
+    group = heads // inputs.key_heads
+    dq, dk = (t.view(batch, steps, inputs.key_heads, group, head_dim).sum(3) for t in (dq, dk))
+
+    def like(grad: Tensor, tensor: Tensor | None) -> Tensor | None:
+        return None if tensor is None else grad.view(tensor.shape).to(tensor.dtype)
+
+    return (
+        like(dq, inputs.query), like(dk, inputs.key), like(dv, inputs.value), like(dg, inputs.g),
+        like(dbeta, inputs.beta), like(dh0, inputs.initial_state),
+    )  # fmt: skip
