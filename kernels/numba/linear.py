@@ -104,7 +104,8 @@ def add_crossing(r, rows, dg, d):
 @njit(fastmath=FASTMATH)
 def pair_scores_backward(d_out, scores, x, y, gamma, gated, strict, dx, dy, dg):
     """dx, dy += the gradients of pair_scores through d_out (its forward `scores`), and the
-    gates' share to dg (C, gate dims): the gradient of each step's own gate g_s."""
+    gates' share to dg (C, gate dims): the gradient of each step's own gate g_s. dx and dy
+    may be one array (x and y one too: k k^T's pairs)."""
     rows = x.shape[0]
     crossing = np.zeros((rows, rows), np.float32)  # gate terms of the pairs j < i
     if gated and gamma.shape[1] > 1:
@@ -127,24 +128,56 @@ def pair_scores_backward(d_out, scores, x, y, gamma, gated, strict, dx, dy, dg):
                     crossing[i, j] = d_out[i, j] * scores[i, j]
     if gated:
         add_crossing(crossing, rows, dg, 0)
+    if dx.ctypes.data == dy.ctypes.data:  # dk += (W + W^T) k: one product
+        for i in range(rows):
+            weighted[i, i] *= 2
+            for j in range(i):
+                weighted[i, j] += weighted[j, i]
+                weighted[j, i] = weighted[i, j]
+        gemm(weighted, y, dx, 1.0, 1.0, False, False)
+        return
     gemm(weighted, y, dx, 1.0, 1.0, False, False)
     gemm(weighted, x, dy, 1.0, 1.0, True, False)
 
 
 @njit(fastmath=FASTMATH)
-def to_raw(grad, loaded, scale, inverse_norm, l2norm, out):
-    """out <- the gradient of a raw row x from `grad`, that of loaded = scale * n(x) (n the
-    l2norm when asked: dx = r (dn - n (n . dn)), r the inverse norm)."""
-    if not l2norm:
-        for d in range(grad.shape[0]):
-            out[d] = grad[d] * scale
-        return
+def to_raw(grad, loaded, scale, inverse_norm, l2norm, accumulate, out):
+    """out <- (or += with `accumulate`) the gradient of a raw row x from `grad`, that of
+    loaded = scale * n(x) (n the l2norm when asked: dx = r (dn - n (n . dn)), r the inverse
+    norm)."""
     total = np.float32(0.0)
+    if l2norm:
+        for d in range(grad.shape[0]):
+            total += loaded[d] * grad[d]
+        total /= scale  # n . (scale dloaded) with n = loaded / scale
+    else:
+        inverse_norm = np.float32(1.0)
+    if not accumulate:  # (never read out: its memory is new)
+        out[:] = 0.0
     for d in range(grad.shape[0]):
-        total += loaded[d] * grad[d]
-    total /= scale  # n . (scale dloaded) with n = loaded / scale
-    for d in range(grad.shape[0]):
-        out[d] = inverse_norm * (grad[d] * scale - loaded[d] * total)
+        out[d] += inverse_norm * (grad[d] * scale - loaded[d] * total)
+
+
+@njit(fastmath=FASTMATH)
+def gate_row(e, i, out):
+    """out[d] <- e[i, d], or e[i, 0] for every d when the gate has one column."""
+    if e.shape[1] == 1:
+        out[:] = e[i, 0]
+    else:
+        out[:] = e[i]
+
+
+@njit(fastmath=FASTMATH)
+def add_gate_terms(row, terms, i):
+    """terms[i] += row per key dim, or terms[i, 0] += sum(row) for a one-column gate."""
+    if terms.shape[1] == 1:
+        total = np.float32(0.0)
+        for d in range(row.shape[0]):
+            total += row[d]
+        terms[i, 0] += total
+    else:
+        for d in range(row.shape[0]):
+            terms[i, d] += row[d]
 
 
 @njit(fastmath=FASTMATH)
@@ -198,36 +231,42 @@ def load_rows(x, slot, t0, rows, h, factors, scale, l2norm, out, inverse_norms):
 
 
 @njit(fastmath=FASTMATH)
-def chunk_forward(q, k, v, g, beta, scale, l2norm, slot, hv, hk, t0, rows, gated, delta,
-                  state, scratch):  # fmt: skip
-    """One chunk's forward quantities from its rows t0 .. t0 + rows - 1 and the state S0
-    before it, into `scratch` (new_scratch's arrays, (C, ...); only [:rows] is meaningful):
-    gamma, e_in, e_out (chunk_gates; 0, 1, 1 when ungated), qs = q^ (scaled, normalised
-    when asked), kc = k (normalised when asked), q_inv and k_inv their rows' inverse norms,
-    a = A, qg = q^ exp(Gamma), kd = k exp(Gamma_last - Gamma), u = U; for the delta rule
-    also kk (M without beta), tm = T, x = beta k exp(Gamma), z = beta v - x S0."""
-    gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, kk, m, tm, x, z, u, qg, kd = scratch
+def chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, scores, scratch):
+    """A chunk's rows t0 .. t0 + rows - 1 as the products take them, into `scratch`
+    (new_scratch's arrays, (C, ...); only [:rows] is meaningful): gamma, e_in, e_out
+    (chunk_gates; 0, 1, 1 when ungated), qs = q^ (scaled; normalised when asked), kc = k
+    (normalised when asked), q_inv and k_inv their rows' inverse norms, kd = k
+    exp(Gamma_last - Gamma); with `scores` also a = A and qg = q^ exp(Gamma)."""
+    gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, qg, kd = scratch
     if gated:
         chunk_gates(g, slot, t0, rows, hv, gamma, e_in, e_out)
     no_factor = e_in[:0, 0]
-    one = np.float32(1.0)
-    load_rows(q, slot, t0, rows, hk, no_factor, scale, l2norm, qs, q_inv)
-    load_rows(k, slot, t0, rows, hk, no_factor, one, l2norm, kc, k_inv)
-    k_c = kc[:rows]
-    pair_scores(qs[:rows], k_c, gamma, gated, 0, a)
-    scale_rows(qs[:rows], no_factor, e_in, qg[:rows])
-    scale_rows(k_c, no_factor, e_out, kd[:rows])
+    load_rows(k, slot, t0, rows, hk, no_factor, np.float32(1.0), l2norm, kc, k_inv)
+    scale_rows(kc[:rows], no_factor, e_out, kd[:rows])
+    if scores:
+        load_rows(q, slot, t0, rows, hk, no_factor, scale, l2norm, qs, q_inv)
+        pair_scores(qs[:rows], kc[:rows], gamma, gated, 0, a)
+        scale_rows(qs[:rows], no_factor, e_in, qg[:rows])
+
+
+@njit(fastmath=FASTMATH)
+def chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm, x, z, u):
+    """U, what the chunk writes into the state, from the state S0 before it: v (the additive
+    rule), or the WY form U = T Z (delta rule), with kk (M without beta), m = M, tm = T = (I
+    + M)^-1, x = beta k exp(Gamma) and z = beta v - x S0; all (C, ...), [:rows] meaningful."""
+    gamma, e_in, kc = scratch[0], scratch[1], scratch[4]
+    no_factor = e_in[:0, 0]
     if not delta:
-        load_rows(v, slot, t0, rows, hv, no_factor, one, False, u, q_inv)
+        load_rows(v, slot, t0, rows, hv, no_factor, np.float32(1.0), False, u, no_factor)
         return
     b_c = beta[slot, t0 : t0 + rows, hv]
-    pair_scores(k_c, k_c, gamma, gated, 1, kk)
+    pair_scores(kc[:rows], kc[:rows], gamma, gated, 1, kk)
     for i in range(rows):
         for j in range(i):
             m[i, j] = b_c[i] * kk[i, j]
     unit_lower_inverse(m, rows, tm)
-    scale_rows(k_c, b_c, e_in, x[:rows])
-    load_rows(v, slot, t0, rows, hv, b_c, one, False, z, q_inv)
+    scale_rows(kc[:rows], b_c, e_in, x[:rows])
+    load_rows(v, slot, t0, rows, hv, b_c, np.float32(1.0), False, z, no_factor)
     gemm(x[:rows], state, z[:rows], -1.0, 1.0, False, False)
     gemm(tm[:rows, :rows], z[:rows], u[:rows], 1.0, 0.0, False, False)
 
@@ -244,17 +283,26 @@ def advance_state(state, e_in, rows, gated, kd, u):
 
 
 @njit(fastmath=FASTMATH)
-def new_scratch(head_dim, value_dim, gate_dims):
-    """chunk_forward's scratch arrays, one set per item (see chunk_forward)."""
-    c = CHUNK
-    f = np.float32
+def new_scratch(head_dim, gate_dims):
+    """chunk_inputs' scratch arrays, one set per item (see chunk_inputs)."""
+    c, f = CHUNK, np.float32
     return (
         np.zeros((c, gate_dims), np.float64), np.ones((c, gate_dims), f),
         np.ones((c, gate_dims), f), np.empty((c, head_dim), f), np.empty((c, head_dim), f),
-        np.ones(c, f), np.ones(c, f), np.empty((c, c), f),
-        np.empty((c, c), f), np.zeros((c, c), f), np.empty((c, c), f), np.empty((c, head_dim), f),
-        np.empty((c, value_dim), f), np.empty((c, value_dim), f), np.empty((c, head_dim), f),
+        np.ones(c, f), np.ones(c, f), np.empty((c, c), f), np.empty((c, head_dim), f),
         np.empty((c, head_dim), f),
+    )  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def new_updates(chunks, head_dim, value_dim):
+    """chunk_update's arrays for `chunks` chunks: kk, tm (chunks, C, C), x (chunks, C, K), z,
+    u (chunks, C, V); and m (1, C, C), used within one chunk's update."""
+    c, f = CHUNK, np.float32
+    return (
+        np.empty((chunks, c, c), f), np.zeros((1, c, c), f), np.empty((chunks, c, c), f),
+        np.empty((chunks, c, head_dim), f), np.empty((chunks, c, value_dim), f),
+        np.empty((chunks, c, value_dim), f),
     )  # fmt: skip
 
 
@@ -274,12 +322,16 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
             state[:] = h0[n, hv]
         else:
             state[:] = 0.0
-        scratch = new_scratch(head_dim, value_dim, g.shape[3])
-        _, e_in, _, _, _, _, _, a, _, _, _, _, _, u, qg, kd = scratch
+        scratch = new_scratch(head_dim, g.shape[3])
+        _, e_in, _, _, _, _, _, a, qg, kd = scratch
+        kks, ms, tms, xs, zs, us = new_updates(1, head_dim, value_dim)
+        kk, m, tm, x, z, u = kks[0], ms[0], tms[0], xs[0], zs[0], us[0]
         for t0 in range(start, start + length, CHUNK):
             rows = min(CHUNK, start + length - t0)
-            chunk_forward(q, k, v, g, beta, scale, l2norm, slot, hv, hv // group, t0, rows,
-                          gated, delta, state, scratch)  # fmt: skip
+            chunk_inputs(q, k, g, scale, l2norm, slot, hv, hv // group, t0, rows, gated, True,
+                         scratch)  # fmt: skip
+            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm,
+                         x, z, u)  # fmt: skip
             o = out[slot, t0 : t0 + rows, hv]
             gemm(qg[:rows], state, o, 1.0, 0.0, False, False)
             gemm(a[:rows, :rows], u[:rows], o, 1.0, 1.0, False, False)
@@ -288,131 +340,182 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
 
 @njit(parallel=True, fastmath=FASTMATH)
 def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
-                            grad_out, grad_final, dq, dk, dv, dg, dbeta, dh0):  # fmt: skip
-    """Gradients by chunks in reverse: dq, dk (B, T, HV, K) per value head, dv, dg (B, T, HV,
-    gate dims), dbeta (B, T, HV), dh0 (N, HV, K, V); grad_final empty when none."""
+                            grad_out, grad_final, dq, dk, dv, dg, dbeta, dh0, threads):  # fmt: skip
+    """Gradients by chunks in reverse: dq, dk (B, T, H, K), dv, dg (B, T, HV, gate dims),
+    dbeta (B, T, HV), dh0 (N, HV, K, V); grad_final empty when none.
+
+    An item is a (sequence, key head): its value heads one after the other, so that their
+    dq and dk add up in place. Each thread takes every `workers`-th item, with buffers of its
+    own for the longest sequence."""
     heads, value_dim = v.shape[2], v.shape[3]
-    group = heads // k.shape[2]
-    head_dim = k.shape[3]
-    for item in prange(sequences.shape[0] * heads):
-        n, hv = np.int64(item) // heads, np.int64(item) % heads
-        hk = hv // group
-        slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
-        chunks = (length + CHUNK - 1) // CHUNK
-        starts = np.empty((chunks, head_dim, value_dim), np.float32)  # S0 of each chunk
-        state = np.zeros((head_dim, value_dim), np.float32)
-        if h0.shape[0] > 0:
-            state[:] = h0[n, hv]
-        scratch = new_scratch(head_dim, value_dim, g.shape[3])
-        gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, kk, _, tm, x, z, u, qg, kd = scratch
-        for c in range(chunks):
-            t0 = start + c * CHUNK
-            rows = min(CHUNK, start + length - t0)
-            starts[c] = state
-            chunk_forward(q, k, v, g, beta, scale, l2norm, slot, hv, hk, t0, rows, gated, delta,
-                          state, scratch)  # fmt: skip
-            advance_state(state, e_in, rows, gated, kd, u)
-        ds = np.zeros((head_dim, value_dim), np.float32)
-        if grad_final.shape[0] > 0:
-            ds[:] = grad_final[n, hv]
-        gate_dims = g.shape[3]
-        du = np.empty((CHUNK, value_dim), np.float32)
-        da = np.empty((CHUNK, CHUNK), np.float32)
-        dqg = np.empty((CHUNK, head_dim), np.float32)
-        dkd = np.empty((CHUNK, head_dim), np.float32)
-        dqs = np.empty((CHUNK, head_dim), np.float32)
-        dk_c = np.empty((CHUNK, head_dim), np.float32)
-        dg_c = np.empty((CHUNK, gate_dims), np.float32)  # the chunk's gate gradients
-        own = np.empty((CHUNK, gate_dims), np.float32)  # terms of Gamma_i alone: all s <= i
-        to_last = np.empty((CHUNK, gate_dims), np.float32)  # kd's pairs (i, last): i < s
-        dt = np.empty((CHUNK, CHUNK), np.float32)
-        dx = np.empty((CHUNK, head_dim), np.float32)
-        dz = np.empty((CHUNK, value_dim), np.float32)
-        tmp = np.empty((CHUNK, CHUNK), np.float32)
-        dkk = np.empty((CHUNK, CHUNK), np.float32)
-        for c in range(chunks - 1, -1, -1):
-            t0 = start + c * CHUNK
-            rows = min(CHUNK, start + length - t0)
-            s0 = starts[c]
-            chunk_forward(q, k, v, g, beta, scale, l2norm, slot, hv, hk, t0, rows, gated, delta,
-                          s0, scratch)  # fmt: skip
-            k_c = kc[:rows]
-            do = grad_out[slot, t0 : t0 + rows, hv]
-            dqs[:rows] = 0.0
-            dk_c[:rows] = 0.0
-            dg_c[:rows] = 0.0
-            own[:rows] = 0.0
-            to_last[:rows] = 0.0
-            # O = qg S0 + A U and S1 = exp(Gamma_last) S0 + kd^T U:
-            gemm(a[:rows, :rows], do, du[:rows], 1.0, 0.0, True, False)
-            gemm(kd[:rows], ds, du[:rows], 1.0, 1.0, False, False)
-            gemm(do, u[:rows], da[:rows, :rows], 1.0, 0.0, False, True)
-            gemm(do, s0, dqg[:rows], 1.0, 0.0, False, True)
-            gemm(u[:rows], ds, dkd[:rows], 1.0, 0.0, False, True)
-            if gated:  # S1's exp(Gamma_last) S0 term, before ds becomes dS0
+    key_heads, head_dim, gate_dims = k.shape[2], k.shape[3], g.shape[3]
+    group = heads // key_heads
+    items = sequences.shape[0] * key_heads
+    workers = min(threads, items)
+    longest = 0
+    for n in range(sequences.shape[0]):
+        longest = max(longest, sequences[n, 2])
+    most = (longest + CHUNK - 1) // CHUNK
+    grads = (dq, dk, dv, dg, dbeta, dh0)
+    for worker in prange(workers):
+        buffers = backward_buffers(most, head_dim, value_dim, gate_dims, delta)
+        for item in range(worker, items, workers):
+            n, hk = np.int64(item) // key_heads, np.int64(item) % key_heads
+            for hv in range(hk * group, (hk + 1) * group):
+                backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
+                              grad_out, grad_final, grads, n, hv, hv > hk * group,
+                              buffers)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def backward_buffers(chunks, head_dim, value_dim, gate_dims, delta):
+    """One thread's arrays for backward_item: each chunk's start state (chunks, K, V), the
+    running state, chunk_inputs' scratch, the first pass's chunk_update results, and the
+    second pass's gradients of one chunk (see backward_item)."""
+    c, f = CHUNK, np.float32
+    work = (
+        np.empty((head_dim, value_dim), f), np.empty((c, value_dim), f), np.empty((c, c), f),
+        np.empty((c, head_dim), f), np.empty((c, head_dim), f), np.empty((c, head_dim), f),
+        np.empty((c, head_dim), f), np.empty((c, gate_dims), f), np.empty((c, gate_dims), f),
+        np.empty((c, gate_dims), f), np.empty((c, c), f), np.empty((c, head_dim), f),
+        np.empty((c, value_dim), f), np.empty((c, c), f), np.empty((c, c), f),
+        np.empty(head_dim, f), np.empty(head_dim, f),
+    )  # fmt: skip
+    return (
+        np.empty((chunks, head_dim, value_dim), f), np.empty((head_dim, value_dim), f),
+        new_scratch(head_dim, gate_dims), new_updates(chunks if delta else 1, head_dim, value_dim),
+        work,
+    )  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, grad_out,
+                  grad_final, grads, n, hv, accumulate, buffers):  # fmt: skip
+    """Sequence n, value head hv of linear_backward_chunked, in its thread's buffers: a first
+    pass over the chunks for their start states (and WY results), then the chunks in
+    reverse, dS carried from the last to the first. dq and dk are written, or added to with
+    `accumulate` (the key head's other value heads)."""
+    dq, dk, dv, dg, dbeta, dh0 = grads
+    starts, state, scratch, updates, work = buffers
+    kks, ms, tms, xs, zs, us = updates
+    ds, du, da, dqg, dkd, dqs, dk_c, dg_c, own, to_last, dt, dx, dz, tmp, dkk, row, decays = work
+    heads, value_dim = v.shape[2], v.shape[3]
+    head_dim, gate_dims = k.shape[3], g.shape[3]
+    hk = hv // (heads // k.shape[2])
+    slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
+    chunks = (length + CHUNK - 1) // CHUNK
+    gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, qg, kd = scratch
+    if h0.shape[0] > 0:
+        state[:] = h0[n, hv]
+    else:
+        state[:] = 0.0
+    for c in range(chunks):
+        t0 = start + c * CHUNK
+        rows = min(CHUNK, start + length - t0)
+        starts[c] = state
+        kept = c if delta else 0
+        chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, False, scratch)
+        chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kks[kept],
+                     ms[0], tms[kept], xs[kept], zs[kept], us[kept])  # fmt: skip
+        advance_state(state, e_in, rows, gated, kd, us[kept])
+    if grad_final.shape[0] > 0:
+        ds[:] = grad_final[n, hv]
+    else:
+        ds[:] = 0.0
+    for c in range(chunks - 1, -1, -1):
+        t0 = start + c * CHUNK
+        rows = min(CHUNK, start + length - t0)
+        s0 = starts[c]
+        chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, True, scratch)
+        if delta:
+            kk, tm, x, z, u = kks[c], tms[c], xs[c], zs[c], us[c]
+        else:
+            u = us[0]
+            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, s0, scratch, kks[0],
+                         ms[0], tms[0], xs[0], zs[0], u)  # fmt: skip
+        k_c = kc[:rows]
+        do = grad_out[slot, t0 : t0 + rows, hv]
+        dqs[:rows] = 0.0
+        dk_c[:rows] = 0.0
+        dg_c[:rows] = 0.0
+        own[:rows] = 0.0
+        to_last[:rows] = 0.0
+        # O = qg S0 + A U and S1 = exp(Gamma_last) S0 + kd^T U:
+        gemm(a[:rows, :rows], do, du[:rows], 1.0, 0.0, True, False)
+        gemm(kd[:rows], ds, du[:rows], 1.0, 1.0, False, False)
+        gemm(do, u[:rows], da[:rows, :rows], 1.0, 0.0, False, True)
+        gemm(do, s0, dqg[:rows], 1.0, 0.0, False, True)
+        gemm(u[:rows], ds, dkd[:rows], 1.0, 0.0, False, True)
+        if gated:  # S1's exp(Gamma_last) S0 term, before ds becomes dS0
+            for d in range(head_dim):
+                gd = d if gate_dims > 1 else 0
+                factor = e_in[rows - 1, gd]
+                total = np.float32(0.0)
+                for e in range(value_dim):
+                    total += ds[d, e] * s0[d, e]
+                own[rows - 1, gd] += total * factor
+                for e in range(value_dim):
+                    ds[d, e] *= factor
+        gemm(qg[:rows], do, ds, 1.0, 1.0, True, False)
+        if delta:  # U = T Z, Z = diag(beta) v - X S0, T = (I + M)^-1, M = diag(beta) kk
+            b_c = beta[slot, t0 : t0 + rows, hv]
+            gemm(tm[:rows, :rows], du[:rows], dz[:rows], 1.0, 0.0, True, False)
+            gemm(du[:rows], z[:rows], dt[:rows, :rows], 1.0, 0.0, False, True)
+            gemm(dz[:rows], s0, dx[:rows], -1.0, 0.0, False, True)
+            gemm(x[:rows], dz[:rows], ds, -1.0, 1.0, True, False)
+            gemm(tm[:rows, :rows], dt[:rows, :rows], tmp[:rows, :rows], 1.0, 0.0, True, False)
+            gemm(tmp[:rows, :rows], tm[:rows, :rows], dkk[:rows, :rows], -1.0, 0.0, False,
+                 True)  # fmt: skip
+            for i in range(rows):  # x = beta kg, kg = k exp(Gamma); z = beta v - x S0
+                b = b_c[i]
+                gate_row(e_in, i, decays)
+                total = np.float32(0.0)
                 for d in range(head_dim):
-                    gd = d if gate_dims > 1 else 0
-                    factor = e_in[rows - 1, gd]
-                    total = np.float32(0.0)
-                    for e in range(value_dim):
-                        total += ds[d, e] * s0[d, e]
-                    own[rows - 1, gd] += total * factor
-                    for e in range(value_dim):
-                        ds[d, e] *= factor
-            gemm(qg[:rows], do, ds, 1.0, 1.0, True, False)
-            if delta:  # U = T Z, Z = diag(beta) v - X S0, T = (I + M)^-1, M = diag(beta) kk
-                b_c = beta[slot, t0 : t0 + rows, hv]
-                gemm(tm[:rows, :rows], du[:rows], dz[:rows], 1.0, 0.0, True, False)
-                gemm(du[:rows], z[:rows], dt[:rows, :rows], 1.0, 0.0, False, True)
-                gemm(dz[:rows], s0, dx[:rows], -1.0, 0.0, False, True)
-                gemm(x[:rows], dz[:rows], ds, -1.0, 1.0, True, False)
-                gemm(tm[:rows, :rows], dt[:rows, :rows], tmp[:rows, :rows], 1.0, 0.0, True, False)
-                gemm(tmp[:rows, :rows], tm[:rows, :rows], dkk[:rows, :rows], -1.0, 0.0, False,
-                     True)  # fmt: skip
-                for i in range(rows):
-                    total = np.float32(0.0)
-                    for d in range(head_dim):  # x = beta kg, kg = k exp(Gamma)
-                        gd = d if gate_dims > 1 else 0
-                        e_i = e_in[i, gd]
-                        total += dx[i, d] * k_c[i, d] * e_i
-                        dxb = dx[i, d] * b_c[i]
-                        dk_c[i, d] += dxb * e_i
-                        own[i, gd] += dxb * k_c[i, d] * e_i
-                    for e in range(value_dim):
-                        total += dz[i, e] * v[slot, t0 + i, hv, e]
-                        dv[slot, t0 + i, hv, e] = dz[i, e] * b_c[i]
-                    for j in range(i):
-                        total += dkk[i, j] * kk[i, j]
-                        dkk[i, j] *= b_c[i]
-                    dbeta[slot, t0 + i, hv] = total
-                pair_scores_backward(dkk, kk, k_c, k_c, gamma, gated, 1, dk_c[:rows],
-                                     dk_c[:rows], dg_c)  # fmt: skip
-            else:
-                dv[slot, t0 : t0 + rows, hv] = du[:rows]
-            pair_scores_backward(da, a, qs[:rows], k_c, gamma, gated, 0, dqs[:rows], dk_c[:rows],
-                                 dg_c)  # fmt: skip
-            for i in range(rows):
-                for d in range(head_dim):
-                    gd = d if gate_dims > 1 else 0
-                    dqs[i, d] += dqg[i, d] * e_in[i, gd]
-                    dk_c[i, d] += dkd[i, d] * e_out[i, gd]
-                    own[i, gd] += dqg[i, d] * qg[i, d]
-                    to_last[i, gd] += dkd[i, d] * kd[i, d]
-            for i in range(rows):  # to the raw q and k (through their l2norm, when asked)
-                to_raw(dqs[i], qs[i], scale, q_inv[i], l2norm, dq[slot, t0 + i, hv])
-                to_raw(dk_c[i], kc[i], np.float32(1.0), k_inv[i], l2norm, dk[slot, t0 + i, hv])
-            if gated:  # Gamma_i = sum_{s <= i} g_s
-                for d in range(gate_dims):
-                    total = np.float32(0.0)  # own terms of i >= s
-                    for i in range(rows - 1, -1, -1):
-                        total += own[i, d]
-                        dg_c[i, d] += total
-                    total = np.float32(0.0)  # pairs (i, last) with i < s
-                    for i in range(1, rows):
-                        total += to_last[i - 1, d]
-                        dg_c[i, d] += total
-                dg[slot, t0 : t0 + rows, hv] = dg_c[:rows]
-        dh0[n, hv] = ds
+                    kg = k_c[i, d] * decays[d]
+                    total += dx[i, d] * kg
+                    dk_c[i, d] += dx[i, d] * b * decays[d]
+                    row[d] = dx[i, d] * b * kg
+                add_gate_terms(row, own, i)
+                for e in range(value_dim):
+                    total += dz[i, e] * v[slot, t0 + i, hv, e]
+                    dv[slot, t0 + i, hv, e] = dz[i, e] * b
+                for j in range(i):
+                    total += dkk[i, j] * kk[i, j]
+                    dkk[i, j] *= b
+                dbeta[slot, t0 + i, hv] = total
+            pair_scores_backward(dkk, kk, k_c, k_c, gamma, gated, 1, dk_c[:rows],
+                                 dk_c[:rows], dg_c)  # fmt: skip
+        else:
+            dv[slot, t0 : t0 + rows, hv] = du[:rows]
+        pair_scores_backward(da, a, qs[:rows], k_c, gamma, gated, 0, dqs[:rows], dk_c[:rows],
+                             dg_c)  # fmt: skip
+        for i in range(rows):  # qg = q^ exp(Gamma), kd = k exp(Gamma_last - Gamma)
+            gate_row(e_in, i, decays)
+            for d in range(head_dim):
+                dqs[i, d] += dqg[i, d] * decays[d]
+                row[d] = dqg[i, d] * qg[i, d]
+            add_gate_terms(row, own, i)
+            gate_row(e_out, i, decays)
+            for d in range(head_dim):
+                dk_c[i, d] += dkd[i, d] * decays[d]
+                row[d] = dkd[i, d] * kd[i, d]
+            add_gate_terms(row, to_last, i)
+        for i in range(rows):  # to the raw q and k (through their l2norm, when asked)
+            to_raw(dqs[i], qs[i], scale, q_inv[i], l2norm, accumulate, dq[slot, t0 + i, hk])
+            to_raw(dk_c[i], kc[i], np.float32(1.0), k_inv[i], l2norm, accumulate,
+                   dk[slot, t0 + i, hk])  # fmt: skip
+        if gated:  # Gamma_i = sum_{s <= i} g_s
+            for d in range(gate_dims):
+                total = np.float32(0.0)  # own terms of i >= s
+                for i in range(rows - 1, -1, -1):
+                    total += own[i, d]
+                    dg_c[i, d] += total
+                total = np.float32(0.0)  # pairs (i, last) with i < s
+                for i in range(1, rows):
+                    total += to_last[i - 1, d]
+                    dg_c[i, d] += total
+            dg[slot, t0 : t0 + rows, hv] = dg_c[:rows]
+    dh0[n, hv] = ds
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -428,10 +531,13 @@ def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gat
         hk = hv // group
         slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
         state = final[n, hv]
+        source = state  # the state before the step: h0's row at first, read in place
         if h0.shape[0] > 0:
-            state[:] = h0[n, hv]
+            source = h0[n, hv]
         else:
             state[:] = 0.0
+        if length == 0:
+            state[:] = source
         rows = np.empty((2, head_dim), np.float32)  # q^ and k of the step
         no_norms = np.empty(2, np.float32)
         no_factor = no_norms[:0]
@@ -453,7 +559,7 @@ def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gat
             for d in range(head_dim):
                 overlap += k_t[d] * q_t[d]
                 kd, qd = k_t[d] * step_decay[d], q_t[d] * step_decay[d]
-                row = state[d]
+                row = source[d]
                 for e in range(value_dim):
                     read_k[e] += row[e] * kd
                     read_q[e] += row[e] * qd
@@ -462,9 +568,10 @@ def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gat
                 update[e] = b * (v_t[e] - read_k[e]) if delta else v_t[e]
                 out[slot, t, hv, e] = read_q[e] + update[e] * overlap
             for d in range(head_dim):
-                row, kd, dd = state[d], k_t[d], step_decay[d]
+                row, old, kd, dd = state[d], source[d], k_t[d], step_decay[d]
                 for e in range(value_dim):
-                    row[e] = dd * row[e] + kd * update[e]
+                    row[e] = dd * old[e] + kd * update[e]
+            source = state
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -495,7 +602,7 @@ def numba_linear_forward(inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]
     # The kernels write every row of the output and the state (the sequences cover T).
     out, out_array = float32_array(inputs.value.shape, zero=not runs)
     final, final_array = float32_array(inputs.state_shape, zero=not runs)
-    longest = int(inputs.sequences[:, 2].max()) if inputs.count else 0
+    longest = int(inputs.sequences.numpy()[:, 2].max()) if inputs.count else 0
     recurrent = longest <= RECURRENT_MAX_STEPS and not inputs.needs_grad
     kernel = linear_forward_recurrent if recurrent else linear_forward_chunked
     if runs:
@@ -517,19 +624,18 @@ def numba_linear_backward(
         grad_out = torch.zeros(inputs.value.shape)
     do = contiguous_fp32(grad_out, ())
     d_final = contiguous_fp32(grad_state, (0, 0, 0, 0))
-    per_value_head = (batch, steps, heads, head_dim)
+    per_key_head = (batch, steps, inputs.key_heads, head_dim)
+    runs = inputs.count > 0 and heads > 0  # the kernel then writes every row of every buffer
     buffers = [
-        float32_array(shape, zero=True)
-        for shape in (per_value_head, per_value_head, inputs.value.shape,
+        float32_array(shape, zero=not runs)
+        for shape in (per_key_head, per_key_head, inputs.value.shape,
                       (batch, steps, heads, gate_dims), (batch, steps, heads), inputs.state_shape)
     ]  # fmt: skip
-    if inputs.count and heads:
+    if runs:
         run_parallel(linear_backward_chunked, *arrays, np.float32(inputs.scale), inputs.l2norm,
                      inputs.g is not None, inputs.beta is not None, do, d_final,
-                     *(array for _, array in buffers))  # fmt: skip
+                     *(array for _, array in buffers), torch.get_num_threads())  # fmt: skip
     dq, dk, dv, dg, dbeta, dh0 = (tensor for tensor, _ in buffers)
-    group = heads // inputs.key_heads
-    dq, dk = (t.view(batch, steps, inputs.key_heads, group, head_dim).sum(3) for t in (dq, dk))
 
     def like(grad: Tensor, tensor: Tensor | None) -> Tensor | None:
         return None if tensor is None else grad.view(tensor.shape).to(tensor.dtype)
