@@ -12,7 +12,7 @@ import torch
 
 import attnperf
 from attnperf import cpu_table, dispatch
-from attnperf.bench import serving, tune
+from attnperf.bench import linear, serving, tune
 from attnperf.bench.report import (
     FIT_NOTE,
     build_report,
@@ -234,6 +234,76 @@ def bench_serving(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_linear(args: argparse.Namespace) -> int:
+    """--linear: the linear-attention sweep, printed and written to linear.json."""
+    from rich.console import Console
+    from rich.table import Table
+
+    defaults = linear.LinearConfig()
+    config = linear.LinearConfig(
+        lengths=tuple(args.lengths or defaults.lengths),
+        decode_batch=(args.decode_batches or [defaults.decode_batch])[0],
+        rounds=args.rounds or defaults.rounds,
+        threads=args.threads or torch.get_num_threads(),
+    )
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    cpu = cpu_description()
+    where = (f"{config.threads} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}), fp32, "
+             f"H={linear.KEY_HEADS}, HV={linear.VALUE_HEADS}, K=V={linear.HEAD_DIM}")  # fmt: skip
+
+    def show(title, header, rows):
+        table = Table(title=title)
+        for column in header:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+
+    def progress(text):
+        console.print(text, style="dim", highlight=False)
+
+    report = {"config": vars(config) | {"machine": cpu}}
+    prefill = linear.prefill_sweep(config, progress)
+    decode = linear.decode_sweep(config, progress)
+    report |= {"prefill": prefill, "decode": decode}
+    for pass_ in linear.PASSES:
+        rows = [r for r in prefill["rows"] if r["pass"] == pass_]
+        times = {(r["length"], r["call"]): r["median_s"] for r in rows}
+        table = []
+        for r in rows:
+            fallback = times.get((r["length"], "transformers"))
+            vs = ""
+            if r["call"] == "gated delta" and fallback:
+                vs = f"{fallback / r['median_s']:.2f}x transformers"
+            table.append((str(r["length"]), r["call"], f"{r['median_s'] * 1e3:.1f}",
+                          f"{r['gflops']:.0f}", f"{r['of_sgemm']:.0%}", vs))  # fmt: skip
+        cross = linear.crossover(prefill["rows"], pass_)
+        show(f"linear attention, {pass_}, B=1; {where}; sgemm (same run) "
+             f"{prefill['sgemm_gflops']:.0f} GFLOP/s; gated delta faster than numba's causal "
+             f"softmax attention from T = {cross} on",
+             ["T", "call", "median ms", "GFLOP/s", "of sgemm", "speed"], table)  # fmt: skip
+    show("growth in T: time ~ T^k (numba)", ["pass", "rule", "k, all T", "k, last two T"],
+         [(f["pass"], f["rule"], f"{f['k_all']:.2f}" if f["k_all"] is not None else "-",
+           f"{f['k_last_two']:.2f} ({f['last_two']})" if f["k_last_two"] is not None else "-")
+          for f in prefill["fits"]])  # fmt: skip
+    show("peak extra memory, numba gated delta", ["pass", "T", "MiB"],
+         [(r["pass"], str(r["length"]),
+           f"{r['peak_extra_bytes'] / 2**20:.0f}" if r["peak_extra_bytes"] is not None else "-")
+          for r in prefill["memory"]])  # fmt: skip
+    numba_step = next(r for r in decode["rows"] if r["call"] == "numba")
+    show(f"decode: one token on a carried state, B={decode['batch']} (state "
+         f"{decode['state_bytes'] / 2 / 2**20:.0f} MiB read + as much written); {where}; read "
+         f"bandwidth (same run) {decode['bandwidth_gbps']:.1f} GB/s",
+         ["call", "median ms", "state GB/s", "of read bandwidth", "numba's speed"],
+         [(r["call"], f"{r['median_s'] * 1e3:.2f}", f"{r['state_gbps']:.1f}",
+           f"{r['bandwidth_share']:.0%}", f"{r['median_s'] / numba_step['median_s']:.2f}x")
+          for r in decode["rows"]])  # fmt: skip
+    path = Path(args.out) / "linear.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    console.print(f"report: {path}", highlight=False)
+    return 0
+
+
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1, with a one-line message otherwise."""
     try:
@@ -317,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
                         "per cache length (--lengths, default 1k..64k), split-K on/off, "
                         "against the copy bandwidth measured in the same run")  # fmt: skip
     b.add_argument("--decode-batches", type=positive_int, nargs="+",
-                   help="--decode's batch sizes (default 1 4)")  # fmt: skip
+                   help="--decode's batch sizes (default 1 4); --linear's (8)")  # fmt: skip
+    b.add_argument("--linear", action="store_true",
+                   help="linear attention (Qwen3-Next's heads): numba over T against transformers' "
+                        "fallback and causal softmax attention; a decode step")  # fmt: skip
     b.add_argument("--varlen", action="store_true",
                    help="a packed causal batch of 8 sequences of 128..4096 tokens: numba "
                         "varlen vs sdpa and numba on the padded batch")  # fmt: skip
@@ -378,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--kv-heads must divide --heads ({args.heads}), got {args.kv_heads}")
         baseline = load_baseline(parser, args.baseline) if args.baseline else None
         check_output_folder(parser, args.out)
+        if args.linear:
+            return bench_linear(args)
         if args.decode or args.varlen:
             return bench_serving(args)
         return bench(args, baseline)

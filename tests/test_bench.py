@@ -5,7 +5,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from attnperf import dispatch
+from attnperf.bench import linear
 from attnperf.bench.report import (
     build_report,
     compare_to_baseline,
@@ -174,3 +177,35 @@ def test_a_gqa_sweep_runs_every_backend_that_serves_it():
     points = run_sweep(config)
     assert [p.status for p in points] == ["ok", "ok"]
     assert all(p.median_s > 0 for p in points)
+
+
+# ---------------------------------------------------------------------- --linear
+@pytest.mark.skipif(dispatch.registry()["numba"].unavailable_reason() is not None,
+                    reason="the --linear sweep runs numba")  # fmt: skip
+def test_linear_bench_calls_run_and_agree():
+    """The sweep's contenders, built as its workers build them, at a tiny T: numba's gated
+    delta call gives transformers' fallback's output, and a decode turn carries its state."""
+    numba = linear.LinearCall("numba", "gated delta", 70, backward=True)()
+    out = numba()
+    assert out.shape == (1, 70, linear.VALUE_HEADS, linear.HEAD_DIM)
+    if linear.transformers_fallbacks() is not None:
+        expected = linear.LinearCall("transformers", "gated delta", 70, backward=False)()()
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert linear.SoftmaxCall("numba", 64, backward=False)()().shape[2] == 64
+    linear.DecodeStep("numba", 2)()()  # STEPS_PER_TURN steps, the state carried
+
+
+def test_linear_bench_crossover_and_flops():
+    def rows(pairs):
+        return [{"pass": "forward", "length": t, "call": call, "median_s": s}
+                for t, timings in pairs.items() for call, s in timings.items()]  # fmt: skip
+
+    faster_from_2048 = {1024: {"gated delta": 2.0, "softmax numba": 1.0},
+                        2048: {"gated delta": 1.0, "softmax numba": 2.0},
+                        4096: {"gated delta": 2.0, "softmax numba": 8.0}}  # fmt: skip
+    assert linear.crossover(rows(faster_from_2048), "forward") == 2048
+    never = {1024: {"gated delta": 2.0, "softmax numba": 1.0}}
+    assert linear.crossover(rows(never), "forward") is None
+    # fla's count at T = 64: 2 T HV (2 K V + C (K + V))
+    assert linear.linear_flops(64, "forward") == 2 * 64 * 32 * (2 * 128 * 128 + 64 * 256)
+    assert linear.linear_flops(64, "forward+backward") == 3.5 * linear.linear_flops(64, "forward")
