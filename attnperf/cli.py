@@ -171,23 +171,13 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     return 0
 
 
-def bench_serving(args: argparse.Namespace) -> int:
-    """--decode and --varlen: the serving sweeps, printed and written to serving.json."""
+def table_printers():
+    """(show(title, header, rows), progress(text)): rich tables and dim progress lines on one
+    console (160 columns when not a terminal)."""
     from rich.console import Console
     from rich.table import Table
 
-    defaults = serving.ServingConfig()
-    config = serving.ServingConfig(
-        decode_lengths=tuple(args.lengths or defaults.decode_lengths),
-        batches=tuple(args.decode_batches or defaults.batches),
-        heads=args.heads,
-        head_dim=args.head_dim,
-        rounds=args.rounds or defaults.rounds,
-        threads=args.threads or torch.get_num_threads(),
-    )
     console = Console(width=None if sys.stdout.isatty() else 160)
-    cpu = cpu_description()
-    where = f"{config.threads} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}), fp32"
 
     def show(title, header, rows):
         table = Table(title=title)
@@ -199,6 +189,24 @@ def bench_serving(args: argparse.Namespace) -> int:
 
     def progress(text):
         console.print(text, style="dim", highlight=False)
+
+    return show, progress
+
+
+def bench_serving(args: argparse.Namespace) -> int:
+    """--decode and --varlen: the serving sweeps, printed and written to serving.json."""
+    defaults = serving.ServingConfig()
+    config = serving.ServingConfig(
+        decode_lengths=tuple(args.lengths or defaults.decode_lengths),
+        batches=tuple(args.decode_batches or defaults.batches),
+        heads=args.heads,
+        head_dim=args.head_dim,
+        rounds=args.rounds or defaults.rounds,
+        threads=args.threads or torch.get_num_threads(),
+    )
+    show, progress = table_printers()
+    cpu = cpu_description()
+    where = f"{config.threads} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}), fp32"
 
     report = {"config": vars(config) | {"machine": cpu}}
     if args.decode:
@@ -230,15 +238,12 @@ def bench_serving(args: argparse.Namespace) -> int:
               for r in result["rows"]])  # fmt: skip
     path = Path(args.out) / "serving.json"
     path.write_text(json.dumps(report, indent=2, default=str))
-    console.print(f"report: {path}", highlight=False)
+    progress(f"report: {path}")
     return 0
 
 
 def bench_linear(args: argparse.Namespace) -> int:
     """--linear: the linear-attention sweep, printed and written to linear.json."""
-    from rich.console import Console
-    from rich.table import Table
-
     defaults = linear.LinearConfig()
     config = linear.LinearConfig(
         lengths=tuple(args.lengths or defaults.lengths),
@@ -246,21 +251,10 @@ def bench_linear(args: argparse.Namespace) -> int:
         rounds=args.rounds or defaults.rounds,
         threads=args.threads or torch.get_num_threads(),
     )
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    show, progress = table_printers()
     cpu = cpu_description()
     where = (f"{config.threads} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}), fp32, "
              f"H={linear.KEY_HEADS}, HV={linear.VALUE_HEADS}, K=V={linear.HEAD_DIM}")  # fmt: skip
-
-    def show(title, header, rows):
-        table = Table(title=title)
-        for column in header:
-            table.add_column(column)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-
-    def progress(text):
-        console.print(text, style="dim", highlight=False)
 
     report = {"config": vars(config) | {"machine": cpu}}
     prefill = linear.prefill_sweep(config, progress)
@@ -300,7 +294,7 @@ def bench_linear(args: argparse.Namespace) -> int:
           for r in decode["rows"]])  # fmt: skip
     path = Path(args.out) / "linear.json"
     path.write_text(json.dumps(report, indent=2, default=str))
-    console.print(f"report: {path}", highlight=False)
+    progress(f"report: {path}")
     return 0
 
 

@@ -13,7 +13,11 @@ against SDPA with the mask materialised once and FlexAttention compiled. Serving
 decode steps (one query token, Hq = 32 over H = 8, E = 128, B = 1 and 8, caches of 4k to
 64k keys) of attention_with_kvcache against SDPA on the cache, with the bandwidth achieved;
 a packed causal batch of 16 sequences (512..8192 tokens, seeded) through attention_varlen
-against SDPA and triton on the padded batch under a padding mask. Without a GPU,
+against SDPA and triton on the padded batch under a padding mask. Linear-attention rows
+(fp32, the gated delta rule with Qwen3-Next's heads, 16 key and 32 value heads of 128, B = 1,
+T = 4k and 16k, forward and forward+backward): `linear_attention` on triton against fla's
+`chunk_gated_delta_rule` where fla is installed and transformers' torch fallback where
+transformers is, after an agreement check against the float64 recurrence. Without a GPU,
 `TRITON_INTERPRET=1 python benches/gpu_check.py --tiny` runs the same script end to end on
 CPU at tiny sizes (its timings mean nothing there).
 """
@@ -30,7 +34,13 @@ import torch
 import torch.nn.functional as F
 
 import attnperf
-from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
+from attnperf.testing import (
+    assert_agrees,
+    assert_linear_agrees,
+    float64_reference,
+    linear_reference,
+    same_precision_reference,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -297,6 +307,77 @@ def report(rows, dtype_name, head_dim, length, causal, pass_, timings, flops) ->
     print(f"{dtype_name} E={head_dim} L={length:5d} {mask:6s} {pass_:16s} " + " | ".join(cells))
 
 
+def linear_peers() -> dict:
+    """fla's chunk_gated_delta_rule and transformers' fallback, where installed, as
+    fn(q, k, v, g, beta) -> out with l2-normalised q and k."""
+    peers = {}
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        peers["fla"] = lambda q, k, v, g, beta: chunk_gated_delta_rule(
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
+    except ImportError:
+        print("  fla not installed: no fla row", file=sys.stderr)
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import (
+            torch_chunk_gated_delta_rule,
+        )
+
+        peers["transformers"] = lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
+    except ImportError:
+        print("  transformers not installed: no transformers row", file=sys.stderr)
+    return peers
+
+
+def benchmark_linear(device: str, tiny: bool, rows: list[dict]) -> int:
+    """The gated delta rule on triton: agreement with the float64 recurrence (the count of
+    failures), then its speed against fla's and transformers' chunked kernels."""
+    key_heads, heads, dim = (1, 2, 16) if tiny else (16, 32, 128)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def inputs(steps):
+        q, k = (torch.randn(1, steps, key_heads, dim, device=device, generator=gen)
+                for _ in range(2))  # fmt: skip
+        v = torch.randn(1, steps, heads, dim, device=device, generator=gen)
+        g = F.logsigmoid(torch.randn(1, steps, heads, device=device, generator=gen))
+        return q, k, v, g, torch.rand(1, steps, heads, device=device, generator=gen)
+
+    q, k, v, g, beta = inputs(100)
+    call = {"g": g, "beta": beta, "use_qk_l2norm": True, "output_final_state": True}
+    failures = 0
+    try:
+        actual = attnperf.linear_attention(q, k, v, **call, backend="triton")
+        exact = linear_reference(q.double(), k.double(), v.double(), **{**call, "g": g.double(),
+                                 "beta": beta.double()})  # fmt: skip
+        baseline = linear_reference(q, k, v, **call)
+        for part, what in zip(range(2), ("linear out", "linear final state"), strict=True):
+            assert_linear_agrees(actual[part], exact[part].to(actual[part].device),
+                                 baseline[part], what=what)  # fmt: skip
+        print("linear attention agrees (gated delta, l2norm, T = 100)")
+    except AssertionError as error:
+        failures += 1
+        print(f"FAIL linear attention: {str(error)[:500]}")
+    peers = linear_peers()
+    for steps in (32,) if tiny else (4096, 16384):
+        q, k, v, g, beta = inputs(steps)
+        contenders = {"triton": lambda q, k, v, g, beta: attnperf.linear_attention(
+            q, k, v, g=g, beta=beta, use_qk_l2norm=True, backend="triton")[0]}  # fmt: skip
+        contenders |= peers
+        flops = 2 * steps * heads * (2 * dim * dim + 64 * 2 * dim)
+        for pass_ in ("forward", "forward+backward"):
+            timings = {}
+            for name, fn in contenders.items():
+                leaves = [t.detach().requires_grad_(pass_ != "forward") for t in (g, beta)]
+                timings[name] = measure(
+                    lambda q, k, v, _, fn=fn, leaves=leaves: fn(q, k, v, *leaves),
+                    q, k, v, False, pass_, torch.randn_like(v), device,
+                )  # fmt: skip
+            report(rows, "fp32-gated-delta", dim, steps, True, pass_, timings,
+                   flops * (3.5 if pass_ == "forward+backward" else 1))  # fmt: skip
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU interpreter)")
@@ -312,6 +393,7 @@ def main() -> int:
     benchmark(device, args.tiny, rows)
     benchmark_variants(device, args.tiny, rows)
     benchmark_serving(device, args.tiny, rows)
+    failures += benchmark_linear(device, args.tiny, rows)
     with open(args.csv, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()

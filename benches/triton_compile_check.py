@@ -13,7 +13,9 @@ Covered: fp16, bf16 and fp32 at head dims 64, 128 and 256 (forward configs and b
 kernels), then masks, causal and ragged lengths at head dim 64, the variants (window,
 bottom-right, softcap, ALiBi, block layouts, the LSE) at head dims 64 and 256, and the
 serving calls: packed varlen forward and backward, KV-cache split-K and merge kernels
-(contiguous and paged, GQA, with the variants) in each dtype at head dims 64 to 256.
+(contiguous and paged, GQA, with the variants) in each dtype at head dims 64 to 256; linear
+attention's forward and backward (scalar and per-key gates, the delta rule) at K = V = 64 to
+256.
 """
 
 from __future__ import annotations
@@ -174,15 +176,40 @@ def serving_calls(quick: bool):
             }  # fmt: skip
 
 
+def linear_calls(quick: bool):
+    """(label, "linear", linear_attention arguments) to compile, forward and backward: the
+    kernels read fp32 (the launcher converts), so the head dims and gate kinds vary."""
+    gen = torch.Generator().manual_seed(0)
+    head_dims = (128,) if quick else (64, 128, 256)
+    for head_dim in head_dims:
+        q, k = (torch.randn(1, 100, 2, head_dim, generator=gen) for _ in range(2))
+        v = torch.randn(1, 100, 4, head_dim, generator=gen)
+        yield f"K=V={head_dim} gated delta", "linear", {
+            "q": q, "k": k, "v": v, "g": -torch.rand(1, 100, 4, generator=gen),
+            "beta": torch.rand(1, 100, 4, generator=gen),
+            "initial_state": torch.zeros(1, 4, head_dim, head_dim), "use_qk_l2norm": True,
+        }  # fmt: skip
+        if not quick:
+            yield f"K=V={head_dim} vector gate", "linear", {
+                "q": q, "k": k, "v": v, "g": -torch.rand(1, 100, 4, head_dim, generator=gen),
+            }  # fmt: skip
+
+
 def compile_serving_call(kind: str, call: dict) -> None:
     from attnperf.kernels.triton.attention import (
         triton_attention_backward,
         triton_attention_forward,
     )
     from attnperf.kernels.triton.kvcache import triton_kvcache_forward
+    from attnperf.kernels.triton.linear import triton_linear_backward, triton_linear_forward
+    from attnperf.linear_inputs import prepare_linear
     from attnperf.serving import prepare_kvcache, prepare_varlen
 
-    if kind == "varlen":
+    if kind == "linear":
+        inputs = prepare_linear(**call)
+        out, state = triton_linear_forward(inputs)
+        triton_linear_backward(inputs, torch.ones_like(out), torch.ones_like(state))
+    elif kind == "varlen":
         inputs = prepare_varlen(**call)
         out, stats = triton_attention_forward(inputs)
         triton_attention_backward(inputs, out, stats, torch.ones_like(out))
@@ -207,7 +234,7 @@ def main() -> int:
     limit = SHARED_LIMIT[args.arch]
     failures = 0
     every_call = [(label, "attention", call) for label, call in calls(args.quick)]
-    for label, kind, call in [*every_call, *serving_calls(args.quick)]:
+    for label, kind, call in [*every_call, *serving_calls(args.quick), *linear_calls(args.quick)]:
         before = len(compiled)
         try:
             if kind == "attention":

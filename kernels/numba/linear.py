@@ -6,16 +6,17 @@ gate of the chunk up to i (per key dim for vector gates, else one per step), q^ 
 
     A_ij = sum_d q^_id k_jd exp(Gamma_id - Gamma_jd), j <= i    (the chunk's own attention)
     delta rule: M_ij = beta_i sum_d k_id k_jd exp(Gamma_id - Gamma_jd), j < i, T = (I + M)^-1,
-        W = T diag(beta) (k exp(Gamma)), U~ = T diag(beta) v, U = U~ - W S0 (the WY form);
+        X = diag(beta) (k exp(Gamma)), U = T (diag(beta) v - X S0)    (the WY form);
         additive rule: U = v
     O = (q^ exp(Gamma)) S0 + A U
     S1 = exp(Gamma_last) S0 + (k exp(Gamma_last - Gamma))^T U
 
 S0 and S1 are the state before and after the chunk. Every exponential is of a non-positive
 difference (gates <= 0), so strong decay underflows to 0 and never overflows. The products
-are BLAS tiles; the backward runs the chunks again to recover each chunk's S0, then walks
-them in reverse (reverse-mode of the lines above). One prange item per (sequence, value
-head); its gradients of q and k are per value head, summed over the group afterwards.
+are BLAS tiles. The forward's items are (sequence, value head); the backward's are
+(sequence, key head), its value heads one after another so that their dq and dk add up in
+place: a first pass over the chunks keeps each one's S0 and WY results, a second walks them
+in reverse (reverse-mode of the lines above).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from attnperf.backend import FEATURES, Capabilities, FusedBackend
 from attnperf.kernels.triton.attention import triton_attention_backward, triton_attention_forward
 from attnperf.kernels.triton.jit import INTERPRET, MAX_HEAD_DIM, MISSING
 from attnperf.kernels.triton.kvcache import triton_kvcache_forward
+from attnperf.kernels.triton.linear import triton_linear_backward, triton_linear_forward
 
 
 class TritonBackend(FusedBackend):
@@ -17,12 +18,14 @@ class TritonBackend(FusedBackend):
         devices=("cuda", "cpu") if INTERPRET else ("cuda",),
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         max_head_dim=MAX_HEAD_DIM,
-        features=frozenset(FEATURES) - {"dropout", "kvcache_backward", "linear", "linear_backward"},
+        features=frozenset(FEATURES) - {"dropout", "kvcache_backward"},
     )
 
     forward = staticmethod(triton_attention_forward)
     backward = staticmethod(triton_attention_backward)
     kvcache_forward = staticmethod(triton_kvcache_forward)
+    linear_forward = staticmethod(triton_linear_forward)
+    linear_backward = staticmethod(triton_linear_backward)
 
     def unavailable_reason(self) -> str | None:
         if MISSING:

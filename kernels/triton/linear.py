@@ -1,0 +1,268 @@
+"""Linear attention on GPU: the recurrence token by token, fused (fla's "fused recurrent"
+form), forward and backward.
+
+One program per (block of value columns, sequence x value head) keeps its (K, BV) slice of
+the state in registers and walks the steps: S = diag(exp(g_t)) S; additive S += k v^T, or
+delta u = beta (v - S^T k), S += k u^T; o = S^T (scale q). Value columns are independent in
+every step, so the state's slices never meet. The forward stores the state every CHUNK
+steps when a backward will follow; the backward replays each chunk from its stored state
+(keeping the chunk's states in a scratch buffer) and walks it in reverse. Gradients that sum
+over value columns (q, k, beta, g) are written per column block and summed by the launcher.
+q and k are l2-normalised by the launcher, in float32, when the call asks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnperf.kernels.triton.jit import jit, next_power_of_2, tl, triton
+from attnperf.linear_inputs import LinearAttentionInputs, l2norm
+
+CHUNK = 64  # steps between stored states: the backward replays one chunk at a time
+
+
+@jit
+def gated_step(S, k, v, G, Beta, step, head_dim, offs_k, mask_k, HAS_GATE: tl.constexpr,
+               VECTOR_GATE: tl.constexpr, DELTA: tl.constexpr):  # fmt: skip
+    """One step of the recurrence on a state slice: (S'_t = diag(exp(g)) S, u, S_t); `step`
+    is the (row, value head) index of the step's gate and beta."""
+    if HAS_GATE:
+        if VECTOR_GATE:
+            g = tl.load(G + step * head_dim + offs_k, mask=mask_k, other=0.0)
+            S = S * tl.exp(g)[:, None]
+        else:
+            S = S * tl.exp(tl.load(G + step))
+    if DELTA:
+        b = tl.load(Beta + step)
+        u = b * (v - tl.sum(S * k[:, None], 0))
+    else:
+        u = v
+    return S, u, S + k[:, None] * u[None, :]
+
+
+@jit
+def linear_forward_kernel(
+    Q, K, V, G, Beta, H0, Out, Final, Saved, Sequences,
+    scale, heads, key_heads, steps, head_dim, value_dim, chunks,
+    HAS_GATE: tl.constexpr, VECTOR_GATE: tl.constexpr, DELTA: tl.constexpr,
+    HAS_H0: tl.constexpr, SAVE: tl.constexpr, CHUNK_STEPS: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr,
+):  # fmt: skip
+    """out (B, T, HV, V) and final (N, HV, K, V); with SAVE the state before every chunk
+    into saved (N, HV, chunks, K, V). Inputs are fp32, contiguous, (B, T, heads, dim)."""
+    pid_v, pid = tl.program_id(0), tl.program_id(1)
+    n, hv = pid // heads, pid % heads
+    hk = hv // (heads // key_heads)
+    slot, start, length = (tl.load(Sequences + n * 3), tl.load(Sequences + n * 3 + 1),
+                           tl.load(Sequences + n * 3 + 2))  # fmt: skip
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < head_dim, offs_v < value_dim
+    tile = offs_k[:, None] * value_dim + offs_v[None, :]
+    mask = mask_k[:, None] & mask_v[None, :]
+    state = (n * heads + hv).to(tl.int64) * head_dim * value_dim
+    S = tl.zeros((BK, BV), dtype=tl.float32)
+    if HAS_H0:
+        S = tl.load(H0 + state + tile, mask=mask, other=0.0)
+    for i in range(0, length):
+        if SAVE:  # noqa: SIM102 (a constexpr, then a value: triton compiles them apart)
+            if i % CHUNK_STEPS == 0:
+                saved = ((n * heads + hv).to(tl.int64) * chunks + i // CHUNK_STEPS) * head_dim
+                tl.store(Saved + saved * value_dim + tile, S, mask=mask)
+        row = (slot * steps + start + i).to(tl.int64)
+        q = tl.load(Q + (row * key_heads + hk) * head_dim + offs_k, mask=mask_k, other=0.0)
+        k = tl.load(K + (row * key_heads + hk) * head_dim + offs_k, mask=mask_k, other=0.0)
+        v = tl.load(V + (row * heads + hv) * value_dim + offs_v, mask=mask_v, other=0.0)
+        _, _, S = gated_step(S, k, v, G, Beta, row * heads + hv, head_dim, offs_k, mask_k, HAS_GATE,
+                             VECTOR_GATE, DELTA)  # fmt: skip
+        out = tl.sum(S * (q * scale)[:, None], 0)
+        tl.store(Out + (row * heads + hv) * value_dim + offs_v, out, mask=mask_v)
+    tl.store(Final + state + tile, S, mask=mask)
+
+
+@jit
+def linear_backward_kernel(
+    Q, K, V, G, Beta, DOut, DFinal, Saved, Scratch, DQ, DK, DV, DG, DBeta, DH0, Sequences,
+    scale, heads, key_heads, steps, head_dim, value_dim, chunks, count, rows_per_block,
+    HAS_GATE: tl.constexpr, VECTOR_GATE: tl.constexpr, DELTA: tl.constexpr,
+    HAS_DFINAL: tl.constexpr, CHUNK_STEPS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """Gradients, chunk by chunk in reverse, each chunk's states replayed from saved into
+    this program's scratch (CHUNK, K, BV). dq, dk (blocks, B, T, HV, K), dg (blocks, B, T,
+    HV, gate dims) and dbeta (blocks, B, T, HV) per value-column block; dv (B, T, HV, V) and
+    dh0 (N, HV, K, V) whole."""
+    pid_v, pid = tl.program_id(0), tl.program_id(1)
+    n, hv = pid // heads, pid % heads
+    hk = hv // (heads // key_heads)
+    slot, start, length = (tl.load(Sequences + n * 3), tl.load(Sequences + n * 3 + 1),
+                           tl.load(Sequences + n * 3 + 2))  # fmt: skip
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < head_dim, offs_v < value_dim
+    tile = offs_k[:, None] * value_dim + offs_v[None, :]
+    mask = mask_k[:, None] & mask_v[None, :]
+    local = offs_k[:, None] * BV + tl.arange(0, BV)[None, :]
+    scratch = (pid_v * count * heads + pid).to(tl.int64) * CHUNK_STEPS * BK * BV
+    state = (n * heads + hv).to(tl.int64) * head_dim * value_dim
+    block = pid_v.to(tl.int64) * rows_per_block  # B * T * HV rows of partials per block
+    gate_dims = head_dim if VECTOR_GATE else 1
+    dS = tl.zeros((BK, BV), dtype=tl.float32)
+    if HAS_DFINAL:
+        dS = tl.load(DFinal + state + tile, mask=mask, other=0.0)
+    for back in range(0, (length + CHUNK_STEPS - 1) // CHUNK_STEPS):
+        c = (length + CHUNK_STEPS - 1) // CHUNK_STEPS - 1 - back
+        rows = tl.minimum(CHUNK_STEPS, length - c * CHUNK_STEPS)
+        saved = ((n * heads + hv).to(tl.int64) * chunks + c) * head_dim
+        S = tl.load(Saved + saved * value_dim + tile, mask=mask, other=0.0)
+        for i in range(0, rows):  # replay: the state before each step
+            tl.store(Scratch + scratch + i * BK * BV + local, S)
+            row = (slot * steps + start + c * CHUNK_STEPS + i).to(tl.int64)
+            k = tl.load(K + (row * key_heads + hk) * head_dim + offs_k, mask=mask_k, other=0.0)
+            v = tl.load(V + (row * heads + hv) * value_dim + offs_v, mask=mask_v, other=0.0)
+            _, _, S = gated_step(S, k, v, G, Beta, row * heads + hv, head_dim, offs_k, mask_k,
+                                 HAS_GATE, VECTOR_GATE, DELTA)  # fmt: skip
+        for r in range(0, rows):
+            i = rows - 1 - r
+            row = (slot * steps + start + c * CHUNK_STEPS + i).to(tl.int64)
+            before = tl.load(Scratch + scratch + i * BK * BV + local)
+            q = tl.load(Q + (row * key_heads + hk) * head_dim + offs_k, mask=mask_k, other=0.0)
+            k = tl.load(K + (row * key_heads + hk) * head_dim + offs_k, mask=mask_k, other=0.0)
+            v = tl.load(V + (row * heads + hv) * value_dim + offs_v, mask=mask_v, other=0.0)
+            do = tl.load(DOut + (row * heads + hv) * value_dim + offs_v, mask=mask_v, other=0.0)
+            decayed, u, S = gated_step(before, k, v, G, Beta, row * heads + hv, head_dim, offs_k,
+                                       mask_k, HAS_GATE, VECTOR_GATE, DELTA)  # fmt: skip
+            dS += (q * scale)[:, None] * do[None, :]  # o = S_t^T (scale q)
+            dq = tl.sum(S * do[None, :], 1) * scale
+            dk = tl.sum(dS * u[None, :], 1)  # S_t = S'_t + k u^T
+            du = tl.sum(dS * k[:, None], 0)
+            partial = block + row * heads + hv
+            if DELTA:  # u = beta (v - S'^T k)
+                b = tl.load(Beta + row * heads + hv).to(tl.float32)
+                tl.store(DBeta + partial, tl.sum(du * (v - tl.sum(decayed * k[:, None], 0))))
+                dv = b * du
+                dpred = -b * du
+                dS += k[:, None] * dpred[None, :]
+                dk += tl.sum(decayed * dpred[None, :], 1)
+            else:
+                dv = du
+            if HAS_GATE:  # S'_t = diag(exp(g)) S_{t-1}
+                if VECTOR_GATE:
+                    g = tl.load(G + (row * heads + hv) * head_dim + offs_k, mask=mask_k, other=0.0)
+                    tl.store(DG + partial * gate_dims + offs_k, tl.sum(dS * decayed, 1),
+                             mask=mask_k)  # fmt: skip
+                    dS = dS * tl.exp(g.to(tl.float32))[:, None]
+                else:
+                    tl.store(DG + partial, tl.sum(tl.sum(dS * decayed, 1), 0))
+                    dS = dS * tl.exp(tl.load(G + row * heads + hv).to(tl.float32))
+            tl.store(DV + (row * heads + hv) * value_dim + offs_v, dv, mask=mask_v)
+            tl.store(DQ + partial * head_dim + offs_k, dq, mask=mask_k)
+            tl.store(DK + partial * head_dim + offs_k, dk, mask=mask_k)
+    tl.store(DH0 + state + tile, dS, mask=mask)
+
+
+# ---------------------------------------------------------------------------- launchers
+def _blocks(inputs: LinearAttentionInputs) -> tuple[int, int, int]:
+    """(BK, BV, value-column blocks)."""
+    bk = max(next_power_of_2(inputs.head_dim), 16)
+    bv = min(max(next_power_of_2(inputs.value_dim), 16), 32)
+    return bk, bv, triton.cdiv(inputs.value_dim, bv)
+
+
+def _fp32(tensor: Tensor | None, like: Tensor) -> Tensor:
+    """A contiguous fp32 copy of the tensor (a dummy for None)."""
+    if tensor is None:
+        return like.new_zeros(1, dtype=torch.float32)
+    return tensor.detach().to(torch.float32).contiguous()
+
+
+def _normalised(inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
+    """q and k as the kernels read them: fp32, l2-normalised when the call asks."""
+    q, k = (t.detach().to(torch.float32) for t in (inputs.query, inputs.key))
+    if inputs.l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q.contiguous(), k.contiguous()
+
+
+def _flags(inputs: LinearAttentionInputs) -> dict:
+    return {"HAS_GATE": inputs.g is not None, "VECTOR_GATE": inputs.gate == "vector",
+            "DELTA": inputs.beta is not None, "CHUNK_STEPS": CHUNK}  # fmt: skip
+
+
+def _chunks(inputs: LinearAttentionInputs) -> int:
+    longest = int(inputs.sequences[:, 2].max()) if inputs.count else 0
+    return max(triton.cdiv(longest, CHUNK), 1)
+
+
+def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Tensor, Tensor]:
+    q, k = _normalised(inputs)
+    v = _fp32(inputs.value, q)
+    device = v.device
+    out = torch.zeros(v.shape, dtype=torch.float32, device=device)
+    final = torch.zeros(inputs.state_shape, dtype=torch.float32, device=device)
+    chunks = _chunks(inputs)
+    saved = torch.empty((*inputs.state_shape[:2], chunks, *inputs.state_shape[2:]) if save
+                        else (1,), dtype=torch.float32, device=device)  # fmt: skip
+    bk, bv, blocks = _blocks(inputs)
+    if final.numel():
+        linear_forward_kernel[(blocks, inputs.count * inputs.value_heads)](
+            q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), _fp32(inputs.initial_state, v),
+            out, final, saved, inputs.sequences.to(device), inputs.scale, inputs.value_heads,
+            inputs.key_heads, v.shape[1], inputs.head_dim, inputs.value_dim, chunks,
+            HAS_H0=inputs.initial_state is not None, SAVE=save, BK=bk, BV=bv, **_flags(inputs),
+        )  # fmt: skip
+    return out, final, saved
+
+
+def triton_linear_forward(inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
+    """(out (B, T, HV, V) in the call's dtype, final state (N, HV, K, V) float32)."""
+    out, final, _ = _run_forward(inputs, save=False)
+    return out.to(inputs.dtype), final
+
+
+def triton_linear_backward(
+    inputs: LinearAttentionInputs, grad_out: Tensor | None, grad_state: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    """(dq, dk, dv, dg, dbeta, dinitial_state), each in its input's dtype, None where the
+    call has no such input. Runs the forward again for the chunks' start states."""
+    _, _, saved = _run_forward(inputs, save=True)
+    q, k = _normalised(inputs)
+    v = _fp32(inputs.value, q)
+    batch, steps, heads = v.shape[:3]
+    device = v.device
+    bk, bv, blocks = _blocks(inputs)
+    gate_dims = inputs.head_dim if inputs.gate == "vector" else 1
+    partial = (blocks, batch, steps, heads)
+    dq, dk = (torch.zeros((*partial, inputs.head_dim), device=device) for _ in range(2))
+    dg = torch.zeros((*partial, gate_dims), device=device)
+    dbeta = torch.zeros(partial, device=device)
+    dv = torch.zeros(v.shape, device=device)
+    dh0 = torch.zeros(inputs.state_shape, device=device)
+    do = torch.zeros(v.shape, device=device) if grad_out is None else _fp32(grad_out, v)
+    if dh0.numel():
+        scratch = torch.empty((blocks, inputs.count * heads, CHUNK, bk, bv), device=device)
+        linear_backward_kernel[(blocks, inputs.count * heads)](
+            q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), do, _fp32(grad_state, v), saved,
+            scratch, dq, dk, dv, dg, dbeta, dh0, inputs.sequences.to(device), inputs.scale,
+            heads, inputs.key_heads, steps, inputs.head_dim, inputs.value_dim, _chunks(inputs),
+            inputs.count, batch * steps * heads, HAS_DFINAL=grad_state is not None, BK=bk, BV=bv,
+            **_flags(inputs),
+        )  # fmt: skip
+    group = heads // inputs.key_heads
+    shape = (batch, steps, inputs.key_heads, group, inputs.head_dim)
+    dq, dk = (t.sum(0).view(shape).sum(3) for t in (dq, dk))
+    if inputs.l2norm:  # through x / sqrt(sum(x^2) + eps): r (dn - n (n . dn))
+        for grad, raw in ((dq, inputs.query), (dk, inputs.key)):
+            raw = raw.detach().to(torch.float32)
+            inverse = torch.rsqrt(raw.square().sum(-1, keepdim=True) + 1e-6)
+            normal = raw * inverse
+            grad.copy_(inverse * (grad - normal * (normal * grad).sum(-1, keepdim=True)))
+    dg, dbeta = dg.sum(0), dbeta.sum(0)
+
+    def like(grad: Tensor, tensor: Tensor | None) -> Tensor | None:
+        return None if tensor is None else grad.view(tensor.shape).to(tensor.dtype)
+
+    return (
+        like(dq, inputs.query), like(dk, inputs.key), like(dv, inputs.value), like(dg, inputs.g),
+        like(dbeta, inputs.beta), like(dh0, inputs.initial_state),
+    )  # fmt: skip
