@@ -8,6 +8,6 @@ per thread, never O(L x S) (except the float mask's own gradient, which is L x S
 Modules, bottom up: `jit` (numba, guarded), `blas` (the sgemm the tiles call), `fastmath`
 (vectorisable exp2 and tanh), `launch` (running a parallel kernel, arrays over tensors),
 `variant` (a call's variant lowered once; tile ranges and score modification shared by
-forward and backward), then one module per kernel family (`attention`, `kvcache`), and
-`backend`, which declares what they serve.
+forward and backward), then one module per kernel family (`attention`, `kvcache`,
+`linear`), and `backend`, which declares what they serve.
 """

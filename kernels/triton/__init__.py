@@ -10,5 +10,6 @@ interpreter (TRITON_INTERPRET=1, set before attnperf's kernels are first used).
 Modules, bottom up: `jit` (triton, guarded; what every launcher passes), `configs` (tile
 configurations against the GPU's shared memory), `variant` (a call's variant lowered once;
 tile ranges and score modification shared by forward and backward), then one module per
-kernel family (`attention`, `kvcache`), and `backend`, which declares what they serve.
+kernel family (`attention`, `kvcache`, `linear`), and `backend`, which declares what they
+serve.
 """
