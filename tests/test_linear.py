@@ -1,6 +1,7 @@
 """linear_attention on every backend that declares it, against the float64 recurrence: the
 outputs, the final state and the gradients of every input, by the relative RMS rule."""
 
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 import attnperf
 from attnperf import dispatch
+from attnperf.backend import FEATURES
 from attnperf.testing import assert_linear_agrees, linear_reference
 
 BACKENDS = [
@@ -179,6 +181,26 @@ def test_prefill_in_pieces_then_steps_equals_one_call(backend):
         t += length
     torch.testing.assert_close(torch.cat(outs, 1), whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, whole_state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("feature", ["linear", "linear_backward"])
+@pytest.mark.parametrize(
+    "backend", [b for b in dispatch.registry().values() if b.unavailable_reason() is None],
+    ids=lambda b: b.name,
+)  # fmt: skip
+def test_backend_serves_linear_attention_or_refuses_it_with_a_reason(backend, feature):
+    call = make(Case(steps=3, gate="scalar", delta=True, initial_state=True))
+    tensors = call["tensors"]
+    if feature == "linear_backward":
+        tensors = {name: t.requires_grad_() for name, t in tensors.items()}
+    if feature in backend.capabilities.features:
+        out, _ = attnperf.linear_attention(**tensors, backend=backend.name)
+        if feature == "linear_backward":
+            out.sum().backward()
+            assert all(t.grad is not None for t in tensors.values())
+        return
+    with pytest.raises(attnperf.BackendNotSupportedError, match=re.escape(FEATURES[feature])):
+        attnperf.linear_attention(**tensors, backend=backend.name)
 
 
 def test_auto_chooses_numba_on_cpu_and_sdpa_refuses():

@@ -62,9 +62,10 @@ FEATURE_CALLS = {
 }
 
 
-# The serving calls' features are walked where those calls are tested (test_varlen.py,
-# test_kvcache.py): `attention` cannot ask for them.
-ATTENTION_FEATURES = [f for f in FEATURES if f not in {"varlen", "kvcache", "kvcache_backward"}]
+# The serving calls' and linear attention's features are walked where those calls are
+# tested (test_varlen.py, test_kvcache.py, test_linear.py): `attention` cannot ask for them.
+OTHER_CALLS = {"varlen", "kvcache", "kvcache_backward", "linear", "linear_backward"}
+ATTENTION_FEATURES = [f for f in FEATURES if f not in OTHER_CALLS]
 
 
 def test_every_feature_has_a_call():
