@@ -1,6 +1,7 @@
 """linear_attention on every backend that declares it, against the float64 recurrence: the
 outputs, the final state and the gradients of every input, by the relative RMS rule."""
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -65,6 +66,7 @@ CASES = {
     "varlen": Case(
         batch=1,
         steps=150,
+        head_dim=20,  # not a power of 2 either
         cu_seqlens=(0, 0, 1, 70, 70, 150),
         gate="scalar",
         delta=True,
@@ -150,17 +152,28 @@ def check(backend: str, case: Case, backward: bool) -> None:
         assert_linear_agrees(gradient, exact[2][name], baseline[2][name], what="d" + name)
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-@pytest.mark.parametrize("backend", BACKENDS)
+# Under Triton's interpreter (CPU) a triton call takes seconds: there, one case per path of
+# its kernels (gate none, scalar and per key; both rules; a state; chunk replays; packing).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETER_CASES = {"additive", "gated_delta", "kda", "step", "empty", "varlen"}
+
+
+def grid(names: list[str]) -> list:
+    """(backend, case) pairs of `names` for every backend (triton's subset when interpreted)."""
+    return [
+        pytest.param(backend, CASES[name], id=f"{backend}-{name}")
+        for backend in BACKENDS
+        for name in names
+        if backend != "triton" or not INTERPRETED or name in INTERPRETER_CASES
+    ]
+
+
+@pytest.mark.parametrize("backend, case", grid(list(CASES)))
 def test_forward_agrees(backend, case):
     check(backend, case, backward=False)
 
 
-BACKWARD_CASES = [name for name in CASES if name not in ("short",)]
-
-
-@pytest.mark.parametrize("case", [CASES[name] for name in BACKWARD_CASES], ids=BACKWARD_CASES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, case", grid([name for name in CASES if name != "short"]))
 def test_gradients_agree(backend, case):
     check(backend, case, backward=True)
 
