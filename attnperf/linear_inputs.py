@@ -96,6 +96,13 @@ class LinearAttentionInputs:
     def features(self) -> set[str]:
         return {"linear", "linear_backward"} if self.needs_grad else {"linear"}
 
+    def as_gradients(self, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        """A kernel's float32 gradients of (q, k, v, g, beta, initial_state), each viewed as
+        its input and in its dtype; None where the call has no such input."""
+        inputs = (self.query, self.key, self.value, self.g, self.beta, self.initial_state)
+        return tuple(None if tensor is None else grad.view(tensor.shape).to(tensor.dtype)
+                     for grad, tensor in zip(grads, inputs, strict=True))  # fmt: skip
+
 
 def _check_tensor(name: str, tensor: object, dims: tuple[int, ...], layout: str) -> Tensor:
     if not isinstance(tensor, Tensor):

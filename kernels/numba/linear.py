@@ -636,12 +636,4 @@ def numba_linear_backward(
         run_parallel(linear_backward_chunked, *arrays, np.float32(inputs.scale), inputs.l2norm,
                      inputs.g is not None, inputs.beta is not None, do, d_final,
                      *(array for _, array in buffers), torch.get_num_threads())  # fmt: skip
-    dq, dk, dv, dg, dbeta, dh0 = (tensor for tensor, _ in buffers)
-
-    def like(grad: Tensor, tensor: Tensor | None) -> Tensor | None:
-        return None if tensor is None else grad.view(tensor.shape).to(tensor.dtype)
-
-    return (
-        like(dq, inputs.query), like(dk, inputs.key), like(dv, inputs.value), like(dg, inputs.g),
-        like(dbeta, inputs.beta), like(dh0, inputs.initial_state),
-    )  # fmt: skip
+    return inputs.as_gradients(*(tensor for tensor, _ in buffers))

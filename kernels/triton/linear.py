@@ -257,12 +257,4 @@ def triton_linear_backward(
             inverse = torch.rsqrt(raw.square().sum(-1, keepdim=True) + 1e-6)
             normal = raw * inverse
             grad.copy_(inverse * (grad - normal * (normal * grad).sum(-1, keepdim=True)))
-    dg, dbeta = dg.sum(0), dbeta.sum(0)
-
-    def like(grad: Tensor, tensor: Tensor | None) -> Tensor | None:
-        return None if tensor is None else grad.view(tensor.shape).to(tensor.dtype)
-
-    return (
-        like(dq, inputs.query), like(dk, inputs.key), like(dv, inputs.value), like(dg, inputs.g),
-        like(dbeta, inputs.beta), like(dh0, inputs.initial_state),
-    )  # fmt: skip
+    return inputs.as_gradients(dq, dk, dv, dg.sum(0), dbeta.sum(0), dh0)
