@@ -18,7 +18,6 @@ from attnperf.inputs import SUPPORTED_DTYPES, check_flag, check_real
 from attnperf.layouts import describe_type
 from attnperf.serving import check_cu_seqlens
 
-GATES = ("none", "scalar", "vector")
 L2NORM_EPS = 1e-6  # fla's and transformers': x / sqrt(sum(x^2) + eps)
 
 

@@ -3,7 +3,7 @@ outputs, the final state and the gradients of every input, by the relative RMS r
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -33,14 +33,13 @@ class Case:
     head_dim: int = 16
     value_dim: int = 12
     gate: str = "none"  # "none", "scalar" or "vector"
-    gate_scale: float = 0.25  # g = logsigmoid(x) / gate_scale ... times; see make
+    gate_scale: float = 0.25  # g = logsigmoid(x) * gate_scale
     delta: bool = False
     initial_state: bool = False
     final_state: bool = True
     l2norm: bool = False
     cu_seqlens: tuple[int, ...] | None = None
     dtype: torch.dtype = torch.float32
-    extra: dict = field(default_factory=dict)
 
 
 CASES = {
