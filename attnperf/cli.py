@@ -13,12 +13,17 @@ import torch
 import attnperf
 from attnperf import cpu_table, dispatch
 from attnperf.bench import linear, serving, tune
+from attnperf.bench.beyond import beyond_sdpa
 from attnperf.bench.report import (
     FIT_NOTE,
+    beyond_title,
     build_report,
     compare_to_baseline,
+    decode_table,
+    decode_title,
     fit_rows,
     left_out_note,
+    sgemm_text,
     table_rows,
     write_report,
 )
@@ -84,12 +89,13 @@ def tune_command(args: argparse.Namespace) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     lengths = tuple(args.lengths or tune.LENGTHS)
-    jobs = len(tune.SHAPES) * len(lengths) * 2 * 2 * 2
+    decode_lengths = tuple(args.decode_lengths or tune.DECODE_LENGTHS)
+    jobs = len(tune.SHAPES) * len(lengths) * 2 * 2 * 2 + len(decode_lengths)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("tuning", total=jobs)
         table = tune.calibrate(
             lengths, args.rounds, args.threads,
-            lambda done: progress.update(task, advance=1, description=done),
+            lambda done: progress.update(task, advance=1, description=done), decode_lengths,
         )  # fmt: skip
     path = tune.write_table(table)
     for rule in table["rules"]:
@@ -99,6 +105,12 @@ def tune_command(args: argparse.Namespace) -> int:
         ratios = ", ".join(f"L={length}: {ratio:.2f}x" for length, ratio in rule["ratios"].items())
         first = f"numba from L={rule['numba_from']}" if rule["numba_from"] else "sdpa"
         console.print(f"{kind:32s} {first:22s} numba/sdpa {ratios}", highlight=False)
+    decode = table["decode"]
+    first = decode["numba_from_bytes"]
+    first = f"numba from {first / 2**20:.0f} MiB" if first else "sdpa"
+    ratios = ", ".join(f"{int(size) / 2**20:.0f} MiB: {ratio:.2f}x"
+                       for size, ratio in decode["ratios"].items())  # fmt: skip
+    console.print(f"{'decode (K+V per call)':32s} {first:22s} numba/sdpa {ratios}", highlight=False)
     console.print(f"written: {path}", highlight=False)
     return 0
 
@@ -128,13 +140,14 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
         block_mask=args.block_mask,
     )
     console = Console(width=None if sys.stdout.isatty() else 160)  # CI logs: no wrapping
+    sgemm = serving.sgemm_rate(config) / 1e9 if config.device == "cpu" else None
     points_per_backend = len(config.lengths) * len(config.causal) * len(config.passes)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(
             "benchmarking", total=2 * len(config.backends) * points_per_backend
         )
         points = run_sweep(config, lambda done: progress.update(task, advance=1, description=done))
-    report = build_report(config, points)
+    report = build_report(config, points, sgemm)
 
     def show(rows, title):
         table = Table(title=title)
@@ -155,11 +168,22 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     title = f"attnperf bench: {config.dtype}, {shape}, {config.threads} threads, {device}"
     if config.describe_variant():
         title += f"; {config.describe_variant()}"
+    title += f"; sgemm {sgemm_text(report)}"
     show(table_rows(report), title)
     if left_out_note(report):
         console.print(left_out_note(report), highlight=False)
     show(fit_rows(report), "growth in L: value ~ L^k")
     console.print(FIT_NOTE, highlight=False)
+    if not (args.quick or args.no_beyond or config.describe_variant() or config.device != "cpu"):
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("beyond SDPA", total=None)
+            beyond = beyond_sdpa(
+                config, sgemm, lambda done: progress.update(task, description=done)
+            )
+        report["beyond_sdpa"] = beyond
+        show(table_rows(beyond["window"]), f"beyond SDPA: {beyond_title(beyond)}")
+        header, rows = decode_table([beyond["decode"]])
+        show([header, *rows], f"beyond SDPA: {decode_title(beyond)}")
     written = write_report(report, Path(args.out))
     console.print("report: " + ", ".join(str(path) for path in written), highlight=False)
     if baseline is not None:
@@ -216,12 +240,7 @@ def bench_serving(args: argparse.Namespace) -> int:
                  f"E={serving.DECODE_HEAD_DIM}")  # fmt: skip
         show(f"decode, one query token: {heads}; {where}; memory bandwidth (same run): read "
              f"{result['bandwidth_gbps']:.1f} GB/s (a sum), copy {result['copy_gbps']:.1f} "
-             "GB/s (read + write)",
-             ["B", "cache S", "sdpa ms", "numba ms", "numba/sdpa speed", "numba GB/s (K+V read)",
-              "of read bandwidth"],
-             [(str(r["batch"]), str(r["length"]), f"{r['sdpa_s'] * 1e3:.2f}",
-               f"{r['numba_s'] * 1e3:.2f}", f"{r['speedup']:.2f}x", f"{r['numba_gbps']:.1f}",
-               f"{r['bandwidth_share']:.0%}") for r in result["decode"]])  # fmt: skip
+             "GB/s (read + write)", *decode_table(result["decode"]))  # fmt: skip
         show(f"split-K, numba, B=1 (below the threads), {heads}; {where}",
              ["cache S", "one pass ms", "split-K ms", "gain"],
              [(str(r["length"]), f"{r['one_pass_s'] * 1e3:.2f}", f"{r['split_s'] * 1e3:.2f}",
@@ -233,7 +252,7 @@ def bench_serving(args: argparse.Namespace) -> int:
         show(f"varlen, causal, {config.sequences} sequences of {result['lengths']} tokens, "
              f"H={config.heads}, E={config.head_dim}; {where}; B x max(L)^2 / sum(L^2) = "
              f"{ratio:.2f}",
-             ["pass", "call", "median ms", "time / numba packed"],
+             ["pass", "call", "median ms", "time / numba packed (> 1: numba faster)"],
              [(r["pass"], r["call"], f"{r['median_s'] * 1e3:.1f}", f"{r['vs_packed']:.2f}x")
               for r in result["rows"]])  # fmt: skip
     path = Path(args.out) / "serving.json"
@@ -375,11 +394,17 @@ def main(argv: list[str] | None = None) -> int:
     b = commands.add_parser(
         "bench", help="time and memory vs sequence length, every backend against sdpa"
     )
-    b.add_argument("--quick", action="store_true", help="L in 256..1024, 7 rounds (for CI)")
+    b.add_argument("--quick", action="store_true",
+                   help="L in 256..1024, 7 rounds, no 'beyond SDPA' section (for CI)")  # fmt: skip
+    b.add_argument("--no-beyond", action="store_true",
+                   help="leave out the default sweep's 'beyond SDPA' section (~2 min): a "
+                        "sliding window against FlexAttention, a decode step against SDPA's "
+                        "two forms")  # fmt: skip
     b.add_argument("--decode", action="store_true",
-                   help="KV-cache decoding, one query token, Llama-3-8B heads: numba vs sdpa "
-                        "per cache length (--lengths, default 1k..64k), split-K on/off, "
-                        "against the copy bandwidth measured in the same run")  # fmt: skip
+                   help="KV-cache decoding, one query token, Llama-3-8B heads: numba vs SDPA "
+                        "(group packed as rows, and enable_gqa) per cache length (--lengths, "
+                        "default 1k..64k), split-K on/off, against the read bandwidth "
+                        "measured in the same run")  # fmt: skip
     b.add_argument("--decode-batches", type=positive_int, nargs="+",
                    help="--decode's batch sizes (default 1 4); --linear's (8)")  # fmt: skip
     b.add_argument("--linear", action="store_true",
@@ -387,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                         "fallback and causal softmax attention; a decode step")  # fmt: skip
     b.add_argument("--varlen", action="store_true",
                    help="a packed causal batch of 8 sequences of 128..4096 tokens: numba "
-                        "varlen vs sdpa and numba on the padded batch")  # fmt: skip
+                        "varlen vs SDPA looped over the sequences, and sdpa and numba on the "
+                        "padded batch")  # fmt: skip
     b.add_argument("--lengths", type=positive_int, nargs="+",
                    help="L = S values (default 256..2048)")  # fmt: skip
     b.add_argument("--batch", type=positive_int, default=1)
@@ -425,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     t.add_argument("--lengths", type=positive_int, nargs="+",
                    help="L = S values (default 1024 2048 4096)")  # fmt: skip
+    t.add_argument("--decode-lengths", type=positive_int, nargs="+",
+                   help="decoding's cache lengths, B = 1, Llama-3-8B heads (default 1024 4096 "
+                        "16384 65536)")  # fmt: skip
     t.add_argument("--rounds", type=positive_int, default=5, help="timed rounds per point")
     t.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)

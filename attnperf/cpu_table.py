@@ -1,4 +1,5 @@
-"""The measured CPU table that "auto" reads: numba first for a call class from a length on.
+"""The measured CPU table that "auto" reads: numba first for a call class from a length on,
+and for decoding steps from a cache size on.
 
 CPU kernels' relative speed depends on the CPU (AVX2 or AVX-512, cache sizes, cores), so the
 choice between numba and sdpa is measured where it is made (`attnperf tune`, the tooling's
@@ -22,6 +23,7 @@ import torch
 
 from attnperf.inputs import AttentionInputs
 from attnperf.machine import cpu_description
+from attnperf.serving import KVCacheInputs
 from attnperf.version import __version__
 
 SCHEMA = 1
@@ -30,10 +32,13 @@ FILE_NAME = "cpu-dispatch.json"
 
 def table_path() -> Path:
     """$ATTNPERF_CACHE_DIR, else $XDG_CACHE_HOME/attnperf, else ~/.cache/attnperf; the file."""
-    folder = os.environ.get("ATTNPERF_CACHE_DIR")
+    return _table_path(os.environ.get("ATTNPERF_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
+
+
+@functools.cache  # "auto" asks on every CPU call: building the Path cost ~13 us of a decode step
+def _table_path(folder: str | None, cache: str | None) -> Path:
     if not folder:
-        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        folder = Path(cache) / "attnperf"
+        folder = Path(cache or Path.home() / ".cache") / "attnperf"
     return Path(folder) / FILE_NAME
 
 
@@ -74,6 +79,31 @@ class Rule:
     ratios: dict[int, float]  # numba's speed / sdpa's, same run, per length
 
 
+@dataclass(frozen=True)
+class DecodeRule:
+    """The measured decoding class (one query token per sequence over its whole cache, fp32,
+    which SDPA serves with the group packed as rows): numba first from `numba_from_bytes` of
+    K and V read per call on (None: never, within the sizes measured)."""
+
+    numba_from_bytes: int | None
+    ratios: dict[int, float]  # numba's speed / sdpa's, same run, per bytes of K and V
+
+
+def _decode_rule(table: dict) -> DecodeRule | None:
+    """The table's decode rule (None where it has none), or ValueError when malformed."""
+    if "decode" not in table:
+        return None
+    try:
+        entry = table["decode"]
+        rule = DecodeRule(entry["numba_from_bytes"],
+                          {int(k): v for k, v in entry["ratios"].items()})  # fmt: skip
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
+        raise ValueError(f"malformed decode rule ({type(error).__name__}: {error})") from None
+    if rule.numba_from_bytes is not None and not isinstance(rule.numba_from_bytes, int):
+        raise ValueError(f"malformed decode rule {rule}")
+    return rule
+
+
 def _rules(table: dict) -> list[Rule]:
     """The table's rules, or ValueError when its layout is not this schema's."""
     if table.get("schema") != SCHEMA:
@@ -102,6 +132,7 @@ def load_table(path: Path | None = None) -> tuple[dict | None, list[Rule], str]:
         if not isinstance(table, dict):
             raise ValueError("not a JSON object")
         rules = _rules(table)
+        _decode_rule(table)
     except (OSError, ValueError) as error:
         message = f"attnperf ignores the tuning table {path}: {error}; run `attnperf tune`"
         warnings.warn(message, RuntimeWarning, stacklevel=2)
@@ -131,6 +162,23 @@ def active_rules() -> tuple[list[Rule], str]:
             _mismatch_warned(path, reason)
             return [], f"built-in default (sdpa first on CPU): table {path} {reason}"
     return rules, status
+
+
+def active_decode_rule() -> DecodeRule | None:
+    """The decode rule "auto" follows now: the valid table's, else None (sdpa first)."""
+    rules, _ = active_rules()
+    return _decode_rule(load_table(table_path())[0]) if rules else None
+
+
+def decode_numba_leads(inputs: KVCacheInputs, rule: DecodeRule) -> bool:
+    """Whether the measured decode rule puts numba first for this fp32 step: by the bytes of
+    K and V it reads (the same bytes ran at the same speed ratio whatever the heads and
+    length: 8 and 128 MiB, 32/8 and 8/2 heads, 2-core AVX-512 machine)."""
+    if inputs.dtype != torch.float32 or rule.numba_from_bytes is None:
+        return False
+    keys = int(inputs.sequences.table[:, 4].sum())
+    read = keys * inputs.kv_heads * (inputs.head_dim + inputs.value_dim) * 4
+    return read >= rule.numba_from_bytes
 
 
 def numba_leads(inputs: AttentionInputs, rules: list[Rule]) -> bool:

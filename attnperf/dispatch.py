@@ -11,6 +11,7 @@ from attnperf import cpu_table
 from attnperf.backend import Backend
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels import BACKEND_MODULES
+from attnperf.kernels.sdpa import sees_whole_cache
 from attnperf.linear_inputs import LinearAttentionInputs
 from attnperf.serving import KVCacheInputs
 
@@ -27,13 +28,18 @@ LINEAR_PRIORITY = {"cuda": ("triton", "reference"), "cpu": ("numba", "reference"
 # what is masked: numba first whatever the table says. `attnperf bench --backends sdpa numba
 # --lengths 1024 2048 4096 8192 16384 --window 256 --causal yes`: numba 2.2x / 6.0x / 16.5x /
 # 41x / 89x sdpa's speed forward, 2.6x to 53x forward+backward (2-core AVX-512 machine).
-# Packed and KV-cache calls likewise: sdpa pads them to a batch under a mask.
+# Packed and KV-cache calls likewise: sdpa pads them to a batch under a mask, except where
+# it calls SDPA the careful way (below).
 MASKED_BY_SDPA = frozenset({"window", "alibi", "block_mask", "varlen", "kvcache"})
 
 
-def numba_leads_on_cpu(inputs: AttentionInputs) -> bool:
+def numba_leads_on_cpu(inputs: AttentionInputs | KVCacheInputs) -> bool:
     """Whether numba goes first for this CPU call: for the variants in MASKED_BY_SDPA, and
-    where this machine's measured table (`attnperf tune`) puts it first.
+    where this machine's measured table (`attnperf tune`) puts it first. Decoding steps that
+    sdpa serves with the group packed as rows, no mask (sdpa.sees_whole_cache), follow the
+    table's decode rule: numba from a measured cache size on (for reference, 128 MiB of K and
+    V on the 2-core AVX-512 machine, where both leave its L3: 1.3-1.8x there, 0.4-0.9x on
+    8-32 MiB); sdpa first without a table.
 
     Without a valid table, dense calls go to sdpa first. For reference, on the 2-core
     AVX-512 machine this package was developed on (`attnperf bench --backends sdpa numba
@@ -41,6 +47,9 @@ def numba_leads_on_cpu(inputs: AttentionInputs) -> bool:
     forward-only calls, 1.00-1.10x causal, 0.96-1.14x with the backward, and mostly below
     0.95x at L <= 1024; other machines differ, which is why it is measured where it runs.
     """
+    if isinstance(inputs, KVCacheInputs) and sees_whole_cache(inputs):
+        rule = cpu_table.active_decode_rule()
+        return rule is not None and cpu_table.decode_numba_leads(inputs, rule)
     if inputs.features() & MASKED_BY_SDPA:
         return True
     rules, _ = cpu_table.active_rules()
@@ -58,7 +67,9 @@ def registry() -> dict[str, Backend]:
     return {backend.name: backend for backend in backends}
 
 
-def priority(inputs: AttentionInputs | LinearAttentionInputs) -> tuple[str, ...]:
+def priority(
+    inputs: AttentionInputs | KVCacheInputs | LinearAttentionInputs,
+) -> tuple[str, ...]:
     """The order in which "auto" tries the backends for this call."""
     order = PRIORITY.get(inputs.device.type, ("reference",))
     if isinstance(inputs, LinearAttentionInputs):

@@ -9,7 +9,12 @@ from torch import Tensor
 from attnperf.backend import FEATURES, Backend, Capabilities
 from attnperf.inputs import SUPPORTED_DTYPES, AttentionInputs
 from attnperf.kernels.reference import dense_masks, variant_masks
-from attnperf.serving import KVCacheInputs
+from attnperf.serving import KVCacheInputs, cached_keys
+
+# A padded batch costs its padding's pairs; a loop over the sequences costs a call each
+# (Python and SDPA's set-up, ~20-50 us): worth it once the padding wastes more than this
+# much work per sequence (~0.1 ms at 100 GFLOP/s).
+LOOP_FLOPS_PER_CALL = 1e7
 
 
 class SdpaBackend(Backend):
@@ -28,6 +33,8 @@ class SdpaBackend(Backend):
 
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, None]:
         if inputs.variant.sequences is not None:
+            if _loop_pays(inputs):
+                return _per_sequence(inputs), None
             return self.run_varlen(inputs), None
         # Inputs are already 4-D: torch's CPU flash kernel serves only 4-D calls,
         # 3-D and 5-D ones would silently take its slow math path.
@@ -60,8 +67,11 @@ class SdpaBackend(Backend):
                                 out[sequence, :, row]).transpose(1, 2)  # fmt: skip
 
     def run_kvcache(self, inputs: KVCacheInputs) -> tuple[Tensor, None]:
-        """The cache gathered to (B, H, max S, E) (a view of a contiguous cache without left
-        padding) under a mask."""
+        """Rows that see their whole cache: the group packed as rows (`_kvcache_rows`).
+        Otherwise the cache gathered to (B, H, max S, E) (a view of a contiguous cache
+        without left padding) under a mask."""
+        if sees_whole_cache(inputs):
+            return _kvcache_rows(inputs), None
         table = inputs.sequences.table.to(inputs.device)
         starts, longest = table[:, 3], inputs.sequences.max_kv_len
         contiguous = inputs.block_table.shape[1] == 1 and inputs.k_pages.shape[0] == inputs.batch
@@ -75,6 +85,78 @@ class SdpaBackend(Backend):
             rows = positions % inputs.page_size
             key, value = (t[pages, rows].transpose(1, 2) for t in (inputs.k_pages, inputs.v_pages))
         return _ragged_sdpa(inputs, inputs.query, key, value, table), None
+
+
+def sees_whole_cache(inputs: KVCacheInputs) -> bool:
+    """Whether every query row attends to all of its sequence's keys, unbiased: one token
+    (bottom-right causal sees the whole cache) or no causality; no window, no ALiBi."""
+    plain = inputs.variant.window is None and inputs.variant.alibi_slopes is None
+    return plain and (inputs.q_len == 1 or not inputs.is_causal)
+
+
+def _kvcache_rows(inputs: KVCacheInputs) -> Tensor:
+    """SDPA as a careful user calls it to decode: the query rows of a key/value head's group
+    packed as that head's rows, (B, H, group x Lq, E), over the cache's (B, H, S, E) view,
+    with no mask. Exact when every row sees all its keys; enable_gqa would read the cache
+    once per query head. One call when the sequences share their key range, else one per
+    sequence (one without keys gives zeros)."""
+    batch, q_heads, q_len, _ = inputs.query.shape
+    kv_heads = inputs.kv_heads
+    rows = inputs.query.reshape(batch, kv_heads, q_heads // kv_heads * q_len, -1)
+    starts, lengths = (inputs.sequences.table[:, column].tolist() for column in (3, 4))
+    contiguous = inputs.block_table.shape[1] == 1 and inputs.k_pages.shape[0] == batch
+    if contiguous and len(set(starts)) == 1 and len(set(lengths)) == 1 and lengths[0] > 0:
+        keys = slice(starts[0], starts[0] + lengths[0])
+        key, value = (t[:, keys].transpose(1, 2) for t in (inputs.k_pages, inputs.v_pages))
+        out = F.scaled_dot_product_attention(rows, key, value, scale=inputs.scale)
+    else:
+        out = rows.new_zeros((*rows.shape[:3], inputs.value_dim))
+        for b, (start, length) in enumerate(zip(starts, lengths, strict=True)):
+            if length == 0:
+                continue
+            if contiguous:  # a view, not a copy
+                key, value = (t[b, start : start + length].transpose(0, 1)
+                              for t in (inputs.k_pages, inputs.v_pages))  # fmt: skip
+            else:
+                key, value = cached_keys(inputs, b)
+            out[b] = F.scaled_dot_product_attention(
+                rows[b : b + 1], key[None], value[None], scale=inputs.scale
+            )[0]
+    return out.reshape(batch, q_heads, q_len, -1)
+
+
+def _loop_pays(inputs: AttentionInputs) -> bool:
+    """Whether ragged sequences go to SDPA one call each (its own causal kernel, no mask), as
+    a careful user calls it: possible without a window, ALiBi or a shifted causal diagonal;
+    chosen where the padding would waste more than the calls cost."""
+    variant, table = inputs.variant, inputs.sequences.table
+    if variant.window is not None or variant.alibi_slopes is not None:
+        return False
+    if inputs.attn_mask is not None or inputs.dropout_p > 0:
+        return False
+    if inputs.is_causal and bool((table[:, 5] != 0).any()):
+        return False  # SDPA's is_causal is top-left
+    q_lens, k_lens = table[:, 2], table[:, 4]
+    wasted = len(table) * int(q_lens.max()) * int(k_lens.max()) - int((q_lens * k_lens).sum())
+    return 4 * inputs.q_heads * inputs.head_dim * wasted > len(table) * LOOP_FLOPS_PER_CALL
+
+
+def _per_sequence(inputs: AttentionInputs) -> Tensor:
+    """(B, Hq, L, Ev): SDPA on each sequence's rows (views), zeros on rows of no sequence."""
+    query, key, value = inputs.query, inputs.key, inputs.value
+    out = query.new_zeros((*query.shape[:3], inputs.value_dim))
+    for slot, q0, q_len, k0, k_len, _ in inputs.sequences.table.tolist():
+        if q_len == 0 or k_len == 0:
+            continue
+        out[slot, :, q0 : q0 + q_len] = F.scaled_dot_product_attention(
+            query[slot : slot + 1, :, q0 : q0 + q_len],
+            key[slot : slot + 1, :, k0 : k0 + k_len],
+            value[slot : slot + 1, :, k0 : k0 + k_len],
+            is_causal=inputs.is_causal,
+            scale=inputs.scale,
+            enable_gqa=inputs.enable_gqa,
+        )[0]
+    return out
 
 
 def _padded(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnperf import dispatch
-from attnperf.bench import linear
+from attnperf.bench import linear, serving
 from attnperf.bench.report import (
     build_report,
     compare_to_baseline,
@@ -212,3 +212,20 @@ def test_linear_bench_crossover_and_flops():
     # fla's count at T = 64: 2 T HV (2 K V + C (K + V))
     assert linear.linear_flops(64, "forward") == 2 * 64 * 32 * (2 * 128 * 128 + 64 * 256)
     assert linear.linear_flops(64, "forward+backward") == 3.5 * linear.linear_flops(64, "forward")
+
+
+# ---------------------------------------------------------------------- --decode, --varlen
+def test_decode_bench_peers_compute_numbas_step():
+    """SDPA's two decode forms, built as the workers build them, give numba's output."""
+    step = serving.DecodeCall("numba", 2, 40, 8, 2, 16)()()  # (B, 1, Hq, E)
+    rows = serving.SdpaDecodeCall("rows", 2, 40, 8, 2, 16)()()  # (B, H, group, E)
+    gqa = serving.SdpaDecodeCall("gqa", 2, 40, 8, 2, 16)()()  # (B, Hq, 1, E)
+    torch.testing.assert_close(rows.reshape(step.shape), step, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gqa.transpose(1, 2), step, rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_bench_sdpa_loop_computes_the_packed_call():
+    lengths = [5, 40, 17]
+    packed = serving.VarlenCall("numba", "packed", lengths, 2, 16, backward=False)()()
+    looped = serving.VarlenCall("sdpa", "looped", lengths, 2, 16, backward=False)()()
+    torch.testing.assert_close(looped, packed, rtol=1e-5, atol=1e-5)

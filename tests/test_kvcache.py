@@ -75,6 +75,13 @@ def paged(call: dict, seed: int = 1) -> dict:
     return result
 
 
+def head_major(call: dict) -> dict:
+    """The same cache as a (B, S_max, H, E) view of (B, H, S_max, E) memory: transformers'
+    layout, which the kernels read in place."""
+    return dict(call, **{name: call[name].transpose(1, 2).contiguous().transpose(1, 2)
+                         for name in ("k_cache", "v_cache")})  # fmt: skip
+
+
 def expected(fn, call: dict) -> tuple:
     """(out (B, Lq, Hq, E), lse (B, Hq, Lq)) of `fn`, an SDPA-style reference, over each
     sequence's cached and new keys, bottom-right aligned."""
@@ -99,7 +106,7 @@ def expected(fn, call: dict) -> tuple:
 
 def run(backend, call: dict, **options):
     """attention_with_kvcache on copies of the cache: (out, lse, the updated caches)."""
-    call = dict(call, k_cache=call["k_cache"].clone(), v_cache=call["v_cache"].clone())
+    call = dict(call, **{name: call[name].clone() for name in ("k_cache", "v_cache")})
     with_lse = "lse" in backend.capabilities.features
     result = attnperf.attention_with_kvcache(**call, backend=backend.name, return_lse=with_lse,
                                              **options)  # fmt: skip
@@ -113,10 +120,12 @@ def kvcache_params(dtypes):
 
 @pytest.mark.parametrize("backend, preset, dtype", kvcache_params((torch.float32, torch.bfloat16)))
 def test_kvcache_equals_attention_over_the_cached_keys(backend, preset, dtype):
-    """Contiguous and paged caches, each agreeing with the reference, and with each other."""
+    """Contiguous, head-major and paged caches, each agreeing with the reference, and with
+    each other."""
     call = cache_call(dtype, device_for(backend), **PRESETS[preset])
     exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
-    results = {"contiguous": run(backend, call), "paged": run(backend, paged(call))}
+    results = {"contiguous": run(backend, call), "paged": run(backend, paged(call)),
+               "head_major": run(backend, head_major(call))}  # fmt: skip
     for layout, (out, lse, _, _) in results.items():
         assert out.shape == call["q"].shape and out.dtype == dtype, layout
         assert_agrees(out, exact[0], baseline[0], what=f"{layout} output")
@@ -124,6 +133,9 @@ def test_kvcache_equals_attention_over_the_cached_keys(backend, preset, dtype):
             assert lse.shape == (len(CACHED), HEADS, call["q"].shape[1])
             assert_agrees(lse, exact[1], baseline[1], what=f"{layout} lse")
     torch.testing.assert_close(results["paged"][0], results["contiguous"][0])
+    torch.testing.assert_close(results["head_major"][0], results["contiguous"][0])
+    for index in (2, 3):  # the appended caches, written in the caller's strides
+        torch.testing.assert_close(results["head_major"][index], results["contiguous"][index])
 
 
 @pytest.mark.parametrize(
@@ -245,3 +257,20 @@ def test_bad_input_is_refused_naming_the_argument_and_the_cache_is_unchanged(
     with pytest.raises(error, match=match):
         attnperf.attention_with_kvcache(**call)
     assert torch.equal(call["k_cache"], before[0]) and torch.equal(call["v_cache"], before[1])
+
+
+@pytest.mark.parametrize(
+    "cached, q_len, is_causal",
+    [((40, 40, 40, 40), 1, True), (CACHED, 1, True), (CACHED, 3, False)],
+    ids=["one_call", "per_sequence", "non_causal_rows"],
+)
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_sdpa_packs_the_group_as_rows_where_every_row_sees_its_whole_cache(
+    cached, q_len, is_causal, layout
+):
+    """sdpa's careful decode form (no mask): one call over equal caches, else one per
+    sequence (an empty one included), also for several rows that see every key."""
+    call = cache_call(torch.float32, q_len=q_len, new=q_len, cached=cached, is_causal=is_causal)
+    exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
+    out, _, _, _ = run(dispatch.registry()["sdpa"], paged(call) if layout == "paged" else call)
+    assert_agrees(out, exact[0], baseline[0])

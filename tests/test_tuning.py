@@ -10,6 +10,7 @@ import torch
 from attnperf import cpu_table, dispatch
 from attnperf.bench import tune
 from attnperf.inputs import prepare
+from attnperf.serving import prepare_kvcache
 
 
 @pytest.fixture
@@ -34,7 +35,8 @@ def measured_table(**changes):
     ]  # fmt: skip
     table = {"schema": cpu_table.SCHEMA, "measured": "today",
              "fingerprint": cpu_table.fingerprint(), "lengths": [1024, 2048], "rounds": 1,
-             "rules": rules}  # fmt: skip
+             "rules": rules,
+             "decode": {"numba_from_bytes": 2**20, "ratios": {"1048576": 1.1}}}  # fmt: skip
     table.update(changes)
     return table
 
@@ -81,6 +83,7 @@ INVALID = {
     "corrupt-json": ("{not json", "ignores the tuning table"),
     "other-schema": (json.dumps(measured_table(schema=0)), "schema 0"),
     "malformed-rules": (json.dumps(measured_table(rules=[{"head_dim": 64}])), "malformed"),
+    "malformed-decode": (json.dumps(measured_table(decode={"ratios": {}})), "malformed decode"),
     "another-cpu": (
         json.dumps(measured_table(fingerprint={**cpu_table.fingerprint(), "cpu_model": "Other"})),
         "measured with cpu_model 'Other'",
@@ -95,6 +98,31 @@ INVALID = {
         "measured with versions",
     ),
 }  # fmt: skip
+
+
+def decode_step(keys: int, **options):
+    """An fp32 one-token step over `keys` cached keys per sequence, B = 2, 8/2 heads, E = 64:
+    keys x 2 KiB of K and V."""
+    q = torch.empty(2, 1, 8, 64)
+    cache = torch.empty(2, keys, 2, 64)
+    return prepare_kvcache(q, cache, cache, keys, **options)
+
+
+# (the step, numba first with measured_table's decode rule (numba from 1 MiB), without a table)
+DECODE_CALLS = {
+    "step-2-MiB": (decode_step(1024), True, False),
+    "step-half-MiB": (decode_step(256), False, False),
+    "step-window": (decode_step(256, window=(64, 0)), True, True),  # sdpa would need a mask
+}
+
+
+@pytest.mark.parametrize("inputs, with_table, without", DECODE_CALLS.values(),
+                         ids=DECODE_CALLS.keys())  # fmt: skip
+def test_decoding_follows_the_measured_cache_size(inputs, with_table, without, cache):
+    first = {True: ("numba", "sdpa"), False: ("sdpa", "numba")}
+    assert dispatch.priority(inputs)[:2] == first[without]
+    tune.write_table(measured_table(), cache / cpu_table.FILE_NAME)
+    assert dispatch.priority(inputs)[:2] == first[with_table]
 
 
 @pytest.mark.parametrize("text, warning", INVALID.values(), ids=INVALID.keys())
@@ -122,13 +150,15 @@ def test_numba_first_from_the_length_where_it_stays_faster(ratios, expected):
 def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
     """End to end at tiny lengths: the command measures, writes, and info reports it."""
     env = {"ATTNPERF_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    command = [sys.executable, "-m", "attnperf", "tune", "--lengths", "64", "128", "--rounds", "1"]
+    command = [sys.executable, "-m", "attnperf", "tune", "--lengths", "64", "128",
+               "--decode-lengths", "32", "64", "--rounds", "1"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600,
                             check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     table = json.loads((tmp_path / cpu_table.FILE_NAME).read_text())
     assert len(table["rules"]) == len(tune.SHAPES) * 4
     assert all(set(rule["ratios"]) == {"64", "128"} for rule in table["rules"])
+    assert len(table["decode"]["ratios"]) == 2
     info = subprocess.run([sys.executable, "-m", "attnperf", "info"], capture_output=True,
                           text=True, env=env, timeout=300, check=False)  # fmt: skip
     assert f"measured table {tmp_path / cpu_table.FILE_NAME}" in info.stdout

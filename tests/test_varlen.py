@@ -7,6 +7,7 @@ from cases import device_for, preset_params
 
 import attnperf
 from attnperf import dispatch
+from attnperf.kernels import sdpa as sdpa_kernel
 from attnperf.kernels.numba import attention as numba_attention
 from attnperf.serving import prepare_varlen
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
@@ -169,3 +170,25 @@ def test_varlen_refuses_bad_input_naming_the_argument(name, change, error, match
     call[name] = change(call)
     with pytest.raises(error, match=match):
         attnperf.attention_varlen(**call)
+
+
+@pytest.mark.parametrize("preset", ["plain", "causal_top_left", "causal"])
+def test_sdpa_loops_over_sequences_where_padding_would_waste_work(preset, monkeypatch):
+    """sdpa's careful ragged form, one SDPA call per sequence (forced here: the sizes are
+    small), forward and gradients; a shifted causal diagonal keeps the padded batch."""
+    monkeypatch.setattr(sdpa_kernel, "LOOP_FLOPS_PER_CALL", 0.0)
+    call = packed_call(torch.float32, **PRESETS[preset])
+    assert sdpa_kernel._loop_pays(prepare_varlen(**call)) == (preset != "causal")
+
+    def output_only(fn):  # sdpa has no LSE: gradients through the output alone
+        return lambda c: (fn(c), torch.zeros(1))
+
+    actual = output_only(lambda c: attnperf.attention_varlen(**c, backend="sdpa"))
+    exact, baseline = (output_only(lambda c, f=f: per_sequence(f, c)[0])
+                       for f in (float64_reference, same_precision_reference))  # fmt: skip
+    assert_agrees(actual(call)[0], exact(call)[0], baseline(call)[0])
+    grads = _gradients(actual, call)
+    exact_grads = _gradients(exact, call, cast=torch.float64)
+    baseline_grads = _gradients(baseline, call)
+    for name in grads:
+        assert_agrees(grads[name], exact_grads[name], baseline_grads[name], what=f"grad of {name}")

@@ -32,7 +32,6 @@ PASSES = ("forward", "forward+backward")
 # Where the peers stop: transformers' fallback and softmax attention grow too slow past these.
 FALLBACK_LONGEST = {"forward": 4096, "forward+backward": 2048}
 SOFTMAX_LONGEST = {"forward": 8192, "forward+backward": 4096}
-SGEMM_SIZE = 2048
 # A decoding step takes ~2 ms: a turn times this many in a row (a decode loop's steady
 # state; one step alone after another worker's turn measured 2 to 26 ms).
 STEPS_PER_TURN = 10
@@ -180,14 +179,6 @@ class DecodeStep:
         return steps
 
 
-class SgemmCall:
-    """torch.mm of two SGEMM_SIZE^2 fp32 matrices: the machine's sgemm rate."""
-
-    def __call__(self) -> Callable[[], object]:
-        a, b = torch.randn(SGEMM_SIZE, SGEMM_SIZE), torch.randn(SGEMM_SIZE, SGEMM_SIZE)
-        return lambda: torch.mm(a, b)
-
-
 def linear_flops(steps: int, pass_: str) -> float:
     """fla's count, 2 T HV (2 K V + C (K + V)), x3.5 with the backward (as attention's)."""
     forward = 2 * steps * VALUE_HEADS * (2 * HEAD_DIM**2 + CHUNK * 2 * HEAD_DIM)
@@ -203,8 +194,7 @@ def softmax_flops(steps: int, pass_: str) -> float:
 def prefill_sweep(config: LinearConfig, on_progress: Callable[[str], None]) -> dict:
     """Every rule on numba per T and pass, with the peers where they finish in reasonable
     time; the sgemm rate of the same run; growth fits in T."""
-    sgemm = serving.race(config, {"sgemm": SgemmCall()})["sgemm"].median_s
-    sgemm_rate = 2 * SGEMM_SIZE**3 / sgemm
+    sgemm_rate = serving.sgemm_rate(config)
     on_progress(f"sgemm: {sgemm_rate / 1e9:.0f} GFLOP/s")
     fallback = transformers_fallbacks() is not None
     rows = []

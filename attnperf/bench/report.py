@@ -85,14 +85,19 @@ def growth_fits(points: list[Measurement]) -> list[dict]:
     return fits
 
 
-def build_report(config: BenchConfig, points: list[Measurement]) -> dict:
-    """The machine-readable report; `benchmarks` follows pytest-benchmark's layout."""
+def build_report(
+    config: BenchConfig, points: list[Measurement], sgemm_gflops: float | None = None
+) -> dict:
+    """The machine-readable report; `benchmarks` follows pytest-benchmark's layout.
+    `sgemm_gflops`, the machine's sgemm rate measured in the same run, anchors each point's
+    GFLOP/s as a fraction of it (None: not measured, e.g. on a GPU)."""
     ratios = speed_vs_peer(points)
     benchmarks = []
     for p in points:
         causal = "causal" if p.causal else "full"
         extra = p.to_dict()
         extra["speed_vs_sdpa"] = ratios.get((p.backend, p.length, p.causal, p.pass_))
+        extra["of_sgemm"] = p.gflops / sgemm_gflops if p.gflops and sgemm_gflops else None
         benchmarks.append(
             {
                 "name": f"{p.backend}[L={p.length},{p.pass_},{causal}]",
@@ -111,6 +116,7 @@ def build_report(config: BenchConfig, points: list[Measurement]) -> dict:
         "attnperf_version": __import__("attnperf").__version__,
         "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "machine_info": machine_info(config),
+        "sgemm_gflops": sgemm_gflops,
         "config": asdict(config),
         "benchmarks": benchmarks,
         "fits": growth_fits(points),
@@ -151,6 +157,7 @@ def table_rows(report: dict) -> list[list[str]]:
             "median ms",
             "spread",
             "GFLOP/s",
+            "of sgemm",
             "peak extra MiB",
             "vs sdpa",
             "first call s",
@@ -174,6 +181,8 @@ def table_rows(report: dict) -> list[list[str]]:
                 _fmt((e["max_s"] - e["min_s"]) / e["median_s"] * 100 if ok else None, ".0f")
                 + "%" * ok,
                 _fmt(e["gflops"], ".1f"),
+                _fmt(e.get("of_sgemm") and e["of_sgemm"] * 100, ".0f")
+                + "%" * bool(e.get("of_sgemm")),
                 _fmt(e["peak_extra_bytes"] and e["peak_extra_bytes"] / MIB, ".1f") if ok else "-",
                 _fmt(e["speed_vs_sdpa"], ".2f") + ("x" if e["speed_vs_sdpa"] else ""),
                 _fmt(e["first_call_s"], ".2f"),
@@ -212,12 +221,54 @@ def fit_rows(report: dict) -> list[list[str]]:
     return rows
 
 
-def markdown(report: dict) -> str:
-    def md_table(rows):
-        lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-        lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
-        return "\n".join(lines)
+def sgemm_text(report: dict) -> str:
+    """The run's sgemm anchor in words."""
+    rate = report.get("sgemm_gflops")
+    if rate is None:
+        return "not measured in this run"
+    return f"{rate:.0f} GFLOP/s (torch.mm of 2048^2 fp32 matrices, same run and threads)"
 
+
+def decode_table(rows: list[dict]) -> tuple[list[str], list[tuple[str, ...]]]:
+    """(header, rows) of decode points: numba against SDPA with the group packed as rows (the
+    careful form) and with enable_gqa; each one's share of the read bandwidth."""
+    header = ["B", "cache S", "numba ms", "sdpa rows ms", "sdpa gqa ms", "numba vs sdpa rows",
+              "numba vs sdpa gqa", "numba of read bw", "sdpa rows of read bw"]  # fmt: skip
+    return header, [
+        (str(r["batch"]), str(r["length"]), f"{r['numba_s'] * 1e3:.2f}",
+         f"{r['sdpa_rows_s'] * 1e3:.2f}", f"{r['sdpa_gqa_s'] * 1e3:.2f}",
+         f"{r['vs_sdpa_rows']:.2f}x", f"{r['vs_sdpa_gqa']:.2f}x",
+         f"{r['numba_bandwidth_share']:.0%}", f"{r['sdpa_rows_bandwidth_share']:.0%}")
+        for r in rows
+    ]  # fmt: skip
+
+
+def beyond_title(beyond: dict) -> str:
+    config = beyond["window"]["config"]
+    return (f"causal sliding window of {config['window']} keys, forward, against "
+            "FlexAttention compiled ('first call': its compile) and sdpa under the "
+            "materialised mask")  # fmt: skip
+
+
+def decode_title(beyond: dict) -> str:
+    return (f"one decode step, Llama-3-8B heads (32/8, E = 128), fp32; read bandwidth (same "
+            f"run) {beyond['bandwidth_gbps']:.1f} GB/s")  # fmt: skip
+
+
+def beyond_markdown(beyond: dict) -> list[str]:
+    """The "beyond SDPA" section of report.md."""
+    header, rows = decode_table([beyond["decode"]])
+    return ["## Beyond SDPA", beyond_title(beyond), md_table(table_rows(beyond["window"])),
+            decode_title(beyond), md_table([header, *rows])]  # fmt: skip
+
+
+def md_table(rows) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
     info = report["machine_info"]
     config = report["config"]
     return "\n\n".join(
@@ -231,7 +282,8 @@ def markdown(report: dict) -> str:
             f"B={config['batch']}, H={config['heads']}, "
             f"kv heads {config.get('kv_heads') or config['heads']}, E={config['head_dim']}, "
             f"{config['dtype']}, L=S; median of {config['rounds']} rounds after warm-up. "
-            "GFLOP/s counts 4·B·H·L·S·E forward (half when causal), x3.5 with backward. "
+            "GFLOP/s counts 4·B·H·L·S·E forward (half when causal), x3.5 with backward; "
+            f"'of sgemm' is its fraction of this machine's sgemm rate, {sgemm_text(report)}. "
             "'vs sdpa' is sdpa's median time over the backend's (> 1: faster); spread is "
             "(max - min) / median; 'first call' includes JIT compilation or cache loading.",
             md_table(table_rows(report)),
@@ -240,6 +292,7 @@ def markdown(report: dict) -> str:
             FIT_NOTE,
             md_table(fit_rows(report)),
             "![time](time_vs_length.png)\n\n![memory](memory_vs_length.png)",
+            *(beyond_markdown(report["beyond_sdpa"]) if "beyond_sdpa" in report else []),
         ]
     )
 

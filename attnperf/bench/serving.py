@@ -12,12 +12,14 @@ with OMP_WAIT_POLICY=PASSIVE), then makes an untimed call, then the timed one.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 import attnperf
 from attnperf.bench import sweep
@@ -25,6 +27,7 @@ from attnperf.bench import sweep
 # Llama-3-8B's attention: 32 query heads over 8 key/value heads of 128 dims.
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
 COPY_BYTES = 1 << 30  # the bandwidth probe's tensor: far larger than any cache level
+SGEMM_SIZE = 2048  # the sgemm probe's square matrices
 SETTLE_S = 0.3
 
 
@@ -103,6 +106,27 @@ class DecodeCall:
         )
 
 
+class SdpaDecodeCall:
+    """torch's SDPA on DecodeCall's inputs, its cache moved to (B, H, S, E) (transformers'
+    layout), as its users call it: "rows", the query heads of each group packed as the rows
+    of their key/value head (exact for one token, no mask), or "gqa", enable_gqa=True."""
+
+    def __init__(self, form, batch, length, heads, kv_heads, head_dim):
+        self.args = (form, batch, length, heads, kv_heads, head_dim)
+
+    def __call__(self) -> Callable[[], object]:
+        form, batch, length, heads, kv_heads, head_dim = self.args
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(batch, 1, heads, head_dim, generator=gen)
+        k_cache, v_cache = (torch.randn(batch, length, kv_heads, head_dim, generator=gen)
+                            .transpose(1, 2).contiguous() for _ in range(2))  # fmt: skip
+        if form == "rows":
+            rows = q.view(batch, kv_heads, heads // kv_heads, head_dim)
+            return lambda: F.scaled_dot_product_attention(rows, k_cache, v_cache)
+        q = q.transpose(1, 2)
+        return lambda: F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True)
+
+
 class CopyCall:
     """A copy of COPY_BYTES: the memory bandwidth this machine gives these threads."""
 
@@ -120,33 +144,72 @@ class ReadCall:
         return source.sum
 
 
+class SgemmCall:
+    """torch.mm of two SGEMM_SIZE^2 fp32 matrices: the machine's sgemm rate."""
+
+    def __call__(self) -> Callable[[], object]:
+        a, b = torch.randn(SGEMM_SIZE, SGEMM_SIZE), torch.randn(SGEMM_SIZE, SGEMM_SIZE)
+        return lambda: torch.mm(a, b)
+
+
+def sgemm_rate(config) -> float:
+    """The machine's fp32 sgemm rate in FLOP/s (torch.mm, `config.threads` threads; the
+    median of `config.rounds`): the anchor of every GFLOP/s figure of a run."""
+    return 2 * SGEMM_SIZE**3 / race(config, {"sgemm": SgemmCall()})["sgemm"].median_s
+
+
 def kv_bytes(batch: int, length: int, kv_heads: int, head_dim: int) -> int:
     """Bytes of K and V that one decode step must read (fp32)."""
     return 2 * batch * length * kv_heads * head_dim * 4
 
 
-def decode_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> dict:
-    """numba vs sdpa per (batch, cache length); split-K on and off at B = 1; the memory
-    bandwidth (a copy, and a read-only sum, which is what a decode step does), all in one
-    run."""
+DECODE_CALLS = ("numba", "sdpa rows", "sdpa gqa")
+
+
+def decode_calls(batch: int, length: int) -> dict[str, Callable]:
+    """numba's step and SDPA's two forms at one point (Llama-3-8B's heads)."""
+    shape = (DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM)
+    return {"numba": DecodeCall("numba", batch, length, *shape),
+            "sdpa rows": SdpaDecodeCall("rows", batch, length, *shape),
+            "sdpa gqa": SdpaDecodeCall("gqa", batch, length, *shape)}  # fmt: skip
+
+
+def decode_row(batch: int, length: int, timed: dict[str, Contender], bandwidth: float) -> dict:
+    """One decode point: each call's time, K and V read per second and its share of the
+    read bandwidth; numba's speed against each SDPA form (> 1: numba faster)."""
+    read = kv_bytes(batch, length, DECODE_KV_HEADS, DECODE_HEAD_DIM)
+    row = {"batch": batch, "length": length}
+    for label, result in timed.items():
+        key = label.replace(" ", "_")
+        row[f"{key}_s"] = result.median_s
+        row[f"{key}_bandwidth_share"] = read / result.median_s / bandwidth
+    numba = timed["numba"].median_s
+    row["numba_gbps"] = read / numba / 1e9
+    row["vs_sdpa_rows"] = timed["sdpa rows"].median_s / numba
+    row["vs_sdpa_gqa"] = timed["sdpa gqa"].median_s / numba
+    return row
+
+
+def read_bandwidth(config) -> tuple[float, float]:
+    """(copy, read) bandwidth in bytes/s: a copy counted read + write, as STREAM does, and a
+    read-only sum, which is what a decode step does."""
     probes = race(config, {"copy": CopyCall(), "read": ReadCall()})
-    copy = 2 * COPY_BYTES / probes["copy"].median_s  # read + write, STREAM's count for a copy
-    bandwidth = COPY_BYTES / probes["read"].median_s
+    return 2 * COPY_BYTES / probes["copy"].median_s, COPY_BYTES / probes["read"].median_s
+
+
+def decode_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> dict:
+    """numba against SDPA's two forms per (batch, cache length); split-K on and off at B = 1;
+    the memory bandwidth, all in one run."""
+    copy, bandwidth = read_bandwidth(config)
     on_progress(f"bandwidth: copy {copy / 1e9:.1f} GB/s, read {bandwidth / 1e9:.1f} GB/s")
     rows = []
-    shape = (DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM)
     for batch in config.batches:
         for length in config.decode_lengths:
-            calls = {b: DecodeCall(b, batch, length, *shape) for b in ("sdpa", "numba")}
-            timed = race(config, calls)
-            sdpa, numba = timed["sdpa"].median_s, timed["numba"].median_s
-            read = kv_bytes(batch, length, DECODE_KV_HEADS, DECODE_HEAD_DIM)
-            rows.append({
-                "batch": batch, "length": length, "sdpa_s": sdpa, "numba_s": numba,
-                "speedup": sdpa / numba, "numba_gbps": read / numba / 1e9,
-                "bandwidth_share": read / numba / bandwidth,
-            })  # fmt: skip
-            on_progress(f"decode B={batch} S={length}: numba {sdpa / numba:.2f}x sdpa")
+            rows.append(decode_row(batch, length, race(config, decode_calls(batch, length)),
+                                   bandwidth))  # fmt: skip
+            on_progress(f"decode B={batch} S={length}: numba {rows[-1]['vs_sdpa_rows']:.2f}x "
+                        "sdpa rows")  # fmt: skip
+    shape = (DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM)
     splits = []  # B = 1, below the thread count: split-K is what keeps the threads busy
     for length in config.decode_lengths:
         calls = {n: DecodeCall("numba", 1, length, *shape, num_splits=s)
@@ -168,8 +231,10 @@ def varlen_lengths(config: ServingConfig) -> list[int]:
 
 
 class VarlenCall:
-    """A causal packed batch: attention_varlen ("packed"), or attention on the batch padded
-    to its longest sequence under a padding mask ("padded"), with or without the backward."""
+    """A causal packed batch: attention_varlen ("packed"); attention on the batch padded to
+    its longest sequence under a padding mask ("padded"); or torch's SDPA called on each
+    sequence in turn, causal, no mask, on views of the packed tensors ("looped", the careful
+    SDPA user's form; `backend` unused); with or without the backward."""
 
     def __init__(self, backend, layout, lengths, heads, head_dim, backward):
         self.args = (backend, layout, lengths, heads, head_dim, backward)
@@ -185,6 +250,15 @@ class VarlenCall:
             def attend(q, k, v):
                 return attnperf.attention_varlen(q, k, v, cu, cu, longest, longest,
                                                  is_causal=True, backend=backend)  # fmt: skip
+        elif layout == "looped":
+            q, k, v = (torch.randn(total, heads, head_dim, generator=gen) for _ in range(3))
+            bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+
+            def attend(q, k, v):
+                outs = [F.scaled_dot_product_attention(*(t[lo:hi].transpose(0, 1)[None]
+                                                         for t in (q, k, v)), is_causal=True)
+                        for lo, hi in itertools.pairwise(bounds)]  # fmt: skip
+                return torch.cat([out[0].transpose(0, 1) for out in outs])
         else:
             shape = (count, heads, longest, head_dim)
             q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
@@ -209,13 +283,15 @@ class VarlenCall:
 
 
 def varlen_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> dict:
-    """numba on the packed batch vs sdpa and numba on the padded one, forward and
-    forward+backward; the work each layout implies."""
+    """numba on the packed batch vs SDPA looped over the sequences (the careful peer), sdpa
+    and numba on the padded batch, forward and forward+backward; the work each layout
+    implies."""
     lengths = varlen_lengths(config)
     squares, padded_squares = sum(n * n for n in lengths), len(lengths) * max(lengths) ** 2
     rows = []
     for backward in (False, True):
-        contenders = (("numba", "packed"), ("sdpa", "padded"), ("numba", "padded"))
+        contenders = (("numba", "packed"), ("sdpa", "looped"), ("sdpa", "padded"),
+                      ("numba", "padded"))  # fmt: skip
         calls = {
             f"{backend} {layout}": VarlenCall(
                 backend, layout, lengths, config.heads, config.head_dim, backward

@@ -5,6 +5,8 @@
 backward, head dims 64 and 128, grouped-query or not, L = S from 1024 up) in processes of
 their own (attnperf.bench.sweep), and `write_table` stores, per class, the shortest length
 from which numba was at least as fast as sdpa at that length and every longer one measured.
+Decoding steps likewise (attnperf.bench.serving): the smallest cache, in bytes of K and V,
+from which numba's step was at least as fast as sdpa's, which packs the group as rows.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from pathlib import Path
 
 import torch
 
+from attnperf.bench import serving
 from attnperf.bench.sweep import PASSES, BenchConfig, run_sweep
-from attnperf.cpu_table import SCHEMA, Rule, fingerprint, load_table, table_path
+from attnperf.cpu_table import SCHEMA, DecodeRule, Rule, fingerprint, load_table, table_path
 
 # (heads, kv heads, head dim) of the measured classes: multi-head at head dims 64 and 128,
 # and grouped-query (4 query heads per kv head) at 64.
 SHAPES = ((8, 8, 64), (4, 4, 128), (8, 2, 64))
 LENGTHS = (1024, 2048, 4096)
+# Decoding: one token, B = 1, Llama-3-8B's heads; 8 to 512 MiB of K and V.
+DECODE_LENGTHS = (1024, 4096, 16384, 65536)
 
 
 def numba_from(ratios: dict[int, float]) -> int | None:
@@ -36,11 +41,29 @@ def numba_from(ratios: dict[int, float]) -> int | None:
     return start
 
 
+def calibrate_decode(
+    lengths: tuple[int, ...], rounds: int, threads: int, on_progress: Callable[[str], None]
+) -> DecodeRule:
+    """Time numba's decoding step against sdpa's (attention_with_kvcache, B = 1) per cache
+    length; the rule by bytes of K and V."""
+    config = serving.ServingConfig(rounds=rounds, threads=threads)
+    shape = (serving.DECODE_HEADS, serving.DECODE_KV_HEADS, serving.DECODE_HEAD_DIM)
+    ratios = {}
+    for length in lengths:
+        calls = {b: serving.DecodeCall(b, 1, length, *shape) for b in ("sdpa", "numba")}
+        timed = serving.race(config, calls)
+        read = serving.kv_bytes(1, length, *shape[1:])
+        ratios[read] = round(timed["sdpa"].median_s / timed["numba"].median_s, 3)
+        on_progress(f"decode S={length}")
+    return DecodeRule(numba_from(ratios), ratios)
+
+
 def calibrate(
     lengths: tuple[int, ...] = LENGTHS,
     rounds: int = 5,
     threads: int | None = None,
     on_progress: Callable[[str], None] | None = None,
+    decode_lengths: tuple[int, ...] = DECODE_LENGTHS,
 ) -> dict:
     """Time numba and sdpa over the classes; the table (not yet written)."""
     threads = threads or torch.get_num_threads()
@@ -64,6 +87,7 @@ def calibrate(
                 rule = Rule(head_dim, kv_heads != heads, causal, pass_ != "forward",
                             numba_from(ratios), ratios)  # fmt: skip
                 rules.append(asdict(rule))
+    decode = calibrate_decode(decode_lengths, rounds, threads, on_progress or (lambda _: None))
     return {
         "schema": SCHEMA,
         "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -71,6 +95,7 @@ def calibrate(
         "lengths": list(lengths),
         "rounds": rounds,
         "rules": rules,
+        "decode": asdict(decode),
     }
 
 

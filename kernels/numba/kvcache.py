@@ -17,114 +17,196 @@ from attnperf.serving import KVCacheInputs
 
 
 @njit(fastmath=FASTMATH)
-def cached_scores(q_rows, page, first_row, cols, s, scale2):
-    """s[h, r, j] <- scale2 * q_rows[h, r] . page[first_row + j, h] for j < cols: every
-    head's scores of a tile of keys, one cache row (all heads side by side) at a time.
+def key_scores(queries, key, s_head, j, scale2):
+    """s_head[r, j] <- scale2 * queries[r] . key for every query row r of one head."""
+    for r in range(queries.shape[0]):
+        query = queries[r]
+        total = np.float32(0.0)
+        for e in range(key.shape[0]):
+            total += query[e] * key[e]
+        s_head[r, j] = total * scale2
+
+
+@njit(fastmath=FASTMATH)
+def value_update(p_head, j, value, acc_head):
+    """acc_head[r] += p_head[r, j] * value for every query row r of one head."""
+    for r in range(acc_head.shape[0]):
+        weight = p_head[r, j]
+        out = acc_head[r]
+        for e in range(value.shape[0]):
+            out[e] += weight * value[e]
+
+
+@njit(fastmath=FASTMATH)
+def values_update(p_head, j, v0, v1, v2, v3, acc_head):
+    """acc_head[r] += sum_i p_head[r, j + i] * v_i, i < 4: four keys' values at once, so
+    that each row of acc is loaded and stored once for four (it was 1.4x faster than one
+    at a time, 4 rows x 128 dims per head, one AVX-512 core)."""
+    for r in range(acc_head.shape[0]):
+        w0, w1, w2, w3 = p_head[r, j], p_head[r, j + 1], p_head[r, j + 2], p_head[r, j + 3]
+        out = acc_head[r]
+        for e in range(out.shape[0]):
+            out[e] += w0 * v0[e] + w1 * v1[e] + w2 * v2[e] + w3 * v3[e]
+
+
+@njit(fastmath=FASTMATH)
+def cached_scores(q_rows, page, head_major, first_row, cols, s, scale2):
+    """s[h, r, j] <- scale2 * q_rows[h, r] . key j of head h, for keys first_row ..
+    first_row + cols - 1 of `page`: (rows, H, E), a cache row with all its heads side by
+    side, walked a row at a time; or `head_major` (H, rows, E), walked a head at a time.
+    Either way memory is read in order.
 
     A decode step has a few query rows per head: BLAS's small-M products ran it at ~13 GB/s
     of K and V (S = 16k, 32/8 heads, E = 128, 2 threads), these loops faster (they need a
     C-contiguous cache to vectorise along E).
     """
-    heads, rows, dim = q_rows.shape
-    for j in range(cols):
-        keys = page[first_row + j]
+    heads = q_rows.shape[0]
+    if head_major:
         for h in range(heads):
-            key = keys[h]
-            for r in range(rows):
-                query = q_rows[h, r]
-                total = np.float32(0.0)
-                for e in range(dim):
-                    total += query[e] * key[e]
-                s[h, r, j] = total * scale2
+            for j in range(cols):
+                key_scores(q_rows[h], page[h, first_row + j], s[h], j, scale2)
+    else:
+        for j in range(cols):
+            keys = page[first_row + j]
+            for h in range(heads):
+                key_scores(q_rows[h], keys[h], s[h], j, scale2)
 
 
 @njit(fastmath=FASTMATH)
-def cached_values(p, page, first_row, cols, acc):
-    """acc[h, r] += sum_j p[h, r, j] * page[first_row + j, h] for j < cols."""
-    heads, rows, dim = acc.shape
-    for j in range(cols):
-        values = page[first_row + j]
+def cached_values(p, page, head_major, first_row, cols, acc):
+    """acc[h, r] += sum_j p[h, r, j] * value j of head h (`page` as in cached_scores)."""
+    heads = acc.shape[0]
+    quads = cols // 4 * 4
+    if head_major:
         for h in range(heads):
-            value = values[h]
-            for r in range(rows):
-                weight = p[h, r, j]
-                out = acc[h, r]
-                for e in range(dim):
-                    out[e] += weight * value[e]
+            values = page[h]
+            for j in range(0, quads, 4):
+                row = first_row + j
+                values_update(p[h], j, values[row], values[row + 1], values[row + 2],
+                              values[row + 3], acc[h])  # fmt: skip
+            for j in range(quads, cols):
+                value_update(p[h], j, values[first_row + j], acc[h])
+    else:
+        for j in range(0, quads, 4):
+            rows = page[first_row + j : first_row + j + 4]
+            for h in range(heads):
+                values_update(p[h], j, rows[0, h], rows[1, h], rows[2, h], rows[3, h], acc[h])
+        for j in range(quads, cols):
+            values = page[first_row + j]
+            for h in range(heads):
+                value_update(p[h], j, values[h], acc[h])
 
 
-@njit(parallel=True, fastmath=FASTMATH)
-def kvcache_forward_splits(
-    q, k_pages, v_pages, block_table, variant, scale, block_n, partial_out, partial_stats
-):
-    """Split-K attention of q (B, Hq, Lq, E) over a paged KV cache (pages (P, page_size, H,
-    E), block_table (B, pages)): split s of sequence b covers the s-th of equal chunks of
-    the keys its rows see, into partial_out (splits, B, Hq, Lq, Ev), unnormalised, and
-    partial_stats (splits, B, Hq, Lq, 2), each row's base-2 max and sum.
+@njit(fastmath=FASTMATH)
+def kvcache_split(
+    q, k_pages, v_pages, head_major, block_table, variant, scale, block_n, partial_out,
+    partial_stats, b, split,
+):  # fmt: skip
+    """Split `split` of sequence b: split-K attention of q (B, Hq, Lq, E) over a paged KV
+    cache (pages (P, page_size, H, E), or `head_major` (P, H, page_size, E), transformers'
+    layout; block_table (B, pages)) for the s-th of equal chunks of the keys its rows see,
+    into partial_out[split] (B, Hq, Lq, Ev), unnormalised, and partial_stats[split] (B, Hq,
+    Lq, 2), each row's base-2 max and sum.
 
-    An item walks its keys in tiles, each cache row with all its heads: memory is read in
-    order (a head at a time, its rows a page apart, defeats the prefetchers). The query rows
-    of a key/value head's group go through its keys together (FlashAttention's "pack GQA"):
-    K and V are read once.
+    It walks its keys in tiles, in memory order (see cached_scores; a head at a time over
+    (rows, H, E) pages, its rows a page apart, defeats the prefetchers). The query rows of a
+    key/value head's group go through its keys together (FlashAttention's "pack GQA"): K and
+    V are read once.
     """
     splits = partial_out.shape[0]
-    batch, q_heads, q_len, head_dim = q.shape
-    page_size, kv_heads, value_dim = k_pages.shape[1], k_pages.shape[2], v_pages.shape[3]
+    q_heads, q_len, head_dim = q.shape[1:]
+    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    if head_major:
+        page_size, kv_heads = kv_heads, page_size
+    value_dim = v_pages.shape[3]
     group = q_heads // kv_heads
     rows = group * q_len
     scale2 = scale * LOG2E
     no_dtanh = np.empty((0, 0), np.float32)
-    for item in prange(batch * splits):
-        b, _, split = split_index(item, 1, splits)
-        slot = variant[4][b, 0]  # the sequence's batch entry: rows may be reordered
-        q_rows = np.empty((kv_heads, rows, head_dim), np.float32)
-        for hk in range(kv_heads):
-            for g in range(group):
-                q_rows[hk, g * q_len : (g + 1) * q_len] = q[slot, hk * group + g]
-        s = np.empty((kv_heads, rows, block_n), np.float32)
-        acc = np.zeros((kv_heads, rows, value_dim), np.float32)
-        row_max = np.full((kv_heads, rows), -np.inf, np.float32)
-        row_sum = np.zeros((kv_heads, rows), np.float32)
-        shift = np.zeros((kv_heads, rows), np.float32)
-        k_start, kv_len = variant[4][b, 3], variant[4][b, 4]
-        first, end = key_range(variant, b, 0, q_len, kv_len)
-        chunk = ((end - first + splits - 1) // splits + 15) // 16 * 16
-        lo, hi = first + split * chunk, min(first + (split + 1) * chunk, end)
-        # Key j is cache row k_start + j; pages hold page_size rows; tiles never cross one.
-        page_start = (k_start + lo) // page_size * page_size
-        while page_start < k_start + hi:
-            page = block_table[slot, page_start // page_size]
-            k_first = max(lo, page_start - k_start)
-            k_end = min(hi, page_start + page_size - k_start)
-            for j0 in range(k_first, k_end, block_n):
-                cols = min(block_n, k_end - j0)
-                first_row = k_start + j0 - page_start
-                cached_scores(q_rows, k_pages[page], first_row, cols, s, scale2)
-                structure = tile_structure(variant, b, 0, 0, q_len, j0, cols)
-                for hk in range(kv_heads):
-                    for g in range(group):
-                        head_rows = s[hk, g * q_len : (g + 1) * q_len]
-                        modify_scores(head_rows, variant, b, hk * group + g, 0, j0, q_len, cols,
-                                      structure, no_dtanh)  # fmt: skip
-                    online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk],
-                                           row_sum[hk], shift[hk])  # fmt: skip
-                cached_values(s, v_pages[page], first_row, cols, acc)
-            page_start += page_size
-        for hk in range(kv_heads):
-            for g in range(group):
-                for t in range(q_len):
-                    r, h = g * q_len + t, hk * group + g
-                    partial_out[split, slot, h, t] = acc[hk, r]
-                    partial_stats[split, slot, h, t, 0] = shift[hk, r]
-                    partial_stats[split, slot, h, t, 1] = row_sum[hk, r]
+    slot = variant[4][b, 0]  # the sequence's batch entry: rows may be reordered
+    q_rows = np.empty((kv_heads, rows, head_dim), np.float32)
+    for hk in range(kv_heads):
+        for g in range(group):
+            q_rows[hk, g * q_len : (g + 1) * q_len] = q[slot, hk * group + g]
+    s = np.empty((kv_heads, rows, block_n), np.float32)
+    acc = np.zeros((kv_heads, rows, value_dim), np.float32)
+    row_max = np.full((kv_heads, rows), -np.inf, np.float32)
+    row_sum = np.zeros((kv_heads, rows), np.float32)
+    shift = np.zeros((kv_heads, rows), np.float32)
+    k_start, kv_len = variant[4][b, 3], variant[4][b, 4]
+    first, end = key_range(variant, b, 0, q_len, kv_len)
+    chunk = ((end - first + splits - 1) // splits + 15) // 16 * 16
+    lo, hi = first + split * chunk, min(first + (split + 1) * chunk, end)
+    # Key j is cache row k_start + j; pages hold page_size rows; tiles never cross one.
+    page_start = (k_start + lo) // page_size * page_size
+    while page_start < k_start + hi:
+        page = block_table[slot, page_start // page_size]
+        k_first = max(lo, page_start - k_start)
+        k_end = min(hi, page_start + page_size - k_start)
+        for j0 in range(k_first, k_end, block_n):
+            cols = min(block_n, k_end - j0)
+            first_row = k_start + j0 - page_start
+            cached_scores(q_rows, k_pages[page], head_major, first_row, cols, s, scale2)
+            structure = tile_structure(variant, b, 0, 0, q_len, j0, cols)
+            for hk in range(kv_heads):
+                for g in range(group):
+                    head_rows = s[hk, g * q_len : (g + 1) * q_len]
+                    modify_scores(head_rows, variant, b, hk * group + g, 0, j0, q_len, cols,
+                                  structure, no_dtanh)  # fmt: skip
+                online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk],
+                                       row_sum[hk], shift[hk])  # fmt: skip
+            cached_values(s, v_pages[page], head_major, first_row, cols, acc)
+        page_start += page_size
+    for hk in range(kv_heads):
+        for g in range(group):
+            for t in range(q_len):
+                r, h = g * q_len + t, hk * group + g
+                partial_out[split, slot, h, t] = acc[hk, r]
+                partial_stats[split, slot, h, t, 0] = shift[hk, r]
+                partial_stats[split, slot, h, t, 1] = row_sum[hk, r]
 
 
 @njit(parallel=True, fastmath=FASTMATH)
+def kvcache_forward_splits(
+    q, k_pages, v_pages, head_major, block_table, variant, scale, block_n, partial_out,
+    partial_stats,
+):  # fmt: skip
+    """Every (sequence, split) of kvcache_split, in parallel."""
+    splits = partial_out.shape[0]
+    for item in prange(q.shape[0] * splits):
+        b, _, split = split_index(item, 1, splits)
+        kvcache_split(
+            q, k_pages, v_pages, head_major, block_table, variant, scale, block_n,
+            partial_out, partial_stats, b, split,
+        )  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def kvcache_forward_serial(
+    q, k_pages, v_pages, head_major, block_table, variant, scale, block_n, partial_out,
+    partial_stats,
+):  # fmt: skip
+    """Every (sequence, split) of kvcache_split on the calling thread: for steps too small
+    to pay for waking numba's threads (see PARALLEL_MIN_BYTES)."""
+    splits = partial_out.shape[0]
+    for item in range(q.shape[0] * splits):
+        b, _, split = split_index(item, 1, splits)
+        kvcache_split(
+            q, k_pages, v_pages, head_major, block_table, variant, scale, block_n,
+            partial_out, partial_stats, b, split,
+        )  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
 def merge_splits(partial_out, partial_stats, out, stats):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2) of the splits' partial softmaxes
-    combined exactly: merge_attention's rule in base 2, on unnormalised accumulators."""
+    combined exactly: merge_attention's rule in base 2, on unnormalised accumulators.
+
+    On the calling thread: a few microseconds of work, where waking numba's threads costs
+    ~0.1 ms (its workqueue layer, 2-core AVX-512 machine).
+    """
     splits, batch, heads, q_len, value_dim = partial_out.shape
-    for item in prange(batch * heads):
+    for item in range(batch * heads):
         b, h, _ = split_index(item, heads, 1)
         for t in range(q_len):
             largest = -np.inf
@@ -164,9 +246,18 @@ def kvcache_splits(inputs: KVCacheInputs, threads: int) -> int:
 # 16k and 64k, 32/8 heads, E = 128, 2 threads); every head's scores of the tile (8 x 4 x 96
 # floats) stay in L1.
 DECODE_BLOCK_N = 96
+# Below this many bytes of K and V per call, a step runs on the calling thread: waking
+# numba's threads (its workqueue layer) costs ~0.1 ms, what one thread reads of ~1-2 MB.
+PARALLEL_MIN_BYTES = 2 << 20
 # A split's fixed cost (its partial rows, the merge) is a few microseconds: below ~256 keys
 # (64K multiply-adds per row at head dim 128) it outweighs what a second thread saves.
 MIN_SPLIT_KEYS = 256
+
+
+def _is_head_major(pages: Tensor) -> bool:
+    """Whether (P, rows, H, E) pages are a view of C-contiguous (P, H, rows, E) ones (and not
+    C-contiguous themselves: one head or one row is both)."""
+    return not pages.is_contiguous() and pages.transpose(1, 2).is_contiguous()
 
 
 def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
@@ -177,10 +268,23 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     if contiguous and inputs.dtype != torch.float32:  # converted: only the filled rows
         filled = int((inputs.sequences.table[:, 3] + inputs.sequences.table[:, 4]).max())
         k_pages, v_pages = k_pages[:, :filled], v_pages[:, :filled]
-    # The kernel reads cache rows whole (cached_scores): a strided cache is copied first.
+    # The kernel reads C-contiguous pages: (P, rows, H, E), or (P, H, rows, E) where the
+    # caller's cache is a view of that (transformers' (B, H, S, E)): read in place. Other
+    # strides are copied first.
+    head_major = all(_is_head_major(t) for t in (k_pages, v_pages))
+    if head_major:
+        k_pages, v_pages = (t.transpose(1, 2) for t in (k_pages, v_pages))
     q = as_fp32(inputs.query)
     k_pages, v_pages = (np.ascontiguousarray(as_fp32(t)) for t in (k_pages, v_pages))
-    splits = kvcache_splits(inputs, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    read = (
+        int(inputs.sequences.table[:, 4].sum())
+        * inputs.kv_heads
+        * 4
+        * (inputs.head_dim + inputs.value_dim)
+    )
+    parallel = threads > 1 and read >= PARALLEL_MIN_BYTES
+    splits = kvcache_splits(inputs, threads if parallel else 1)
     shape = (*q.shape[:3], v_pages.shape[3])
     # (tensor, array) pairs: kept bound while the kernels run, as the tensors own the memory.
     partials = float32_array((splits, *shape)), float32_array((splits, *q.shape[:3], 2))
@@ -190,9 +294,11 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     if q.size:
         variant = lower_variant(inputs)
         table = as_numpy(inputs.block_table.cpu())
-        run_parallel(
-            kvcache_forward_splits, q, k_pages, v_pages, table, variant, inputs.scale,
-            DECODE_BLOCK_N, partial_out, partial_stats,
-        )  # fmt: skip
-        run_parallel(merge_splits, partial_out, partial_stats, out_array, stats_array)
+        args = (q, k_pages, v_pages, head_major, table, variant, inputs.scale, DECODE_BLOCK_N,
+                partial_out, partial_stats)  # fmt: skip
+        if parallel:
+            run_parallel(kvcache_forward_splits, *args)
+        else:
+            kvcache_forward_serial(*args)
+        merge_splits(partial_out, partial_stats, out_array, stats_array)
     return out.to(inputs.dtype), stats
