@@ -274,3 +274,38 @@ def test_sdpa_packs_the_group_as_rows_where_every_row_sees_its_whole_cache(
     exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
     out, _, _, _ = run(dispatch.registry()["sdpa"], paged(call) if layout == "paged" else call)
     assert_agrees(out, exact[0], baseline[0])
+
+
+@pytest.mark.parametrize("q_heads, q_len", [(6, 1), (2, 3), (8, 3)])
+def test_numba_decode_any_rows_per_group_any_keys_per_tile(q_heads, q_len):
+    """numba's value loop takes 4 keys at a time: tiles that end mid-block, group x Lq rows
+    of 3, 3 and 12, both cache layouts."""
+    gen = torch.Generator().manual_seed(7)
+    cached = (0, 6, 37, 90)
+    batch = len(cached)
+    call = {
+        "q": torch.randn(batch, q_len, q_heads, HEAD_DIM, generator=gen),
+        "k_cache": torch.randn(batch, S_MAX, KV_HEADS, HEAD_DIM, generator=gen),
+        "v_cache": torch.randn(batch, S_MAX, KV_HEADS, HEAD_DIM, generator=gen),
+        "cache_seqlens": torch.tensor(cached, dtype=torch.int32),
+        "k_new": torch.randn(batch, q_len, KV_HEADS, HEAD_DIM, generator=gen),
+        "v_new": torch.randn(batch, q_len, KV_HEADS, HEAD_DIM, generator=gen),
+    }
+    exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
+    numba = dispatch.registry()["numba"]
+    for layout in (call, head_major(call)):
+        out, lse, _, _ = run(numba, layout)
+        assert_agrees(out, exact[0], baseline[0])
+        assert_agrees(lse, exact[1], baseline[1], what="lse")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_numba_parallel_and_serial_walks_agree(num_splits, monkeypatch):
+    """Steps below PARALLEL_MIN_BYTES run on the calling thread: the parallel walk (forced
+    here) gives the same result."""
+    call = paged(cache_call(torch.float32, q_len=2, new=2))
+    numba = dispatch.registry()["numba"]
+    serial, _, _, _ = run(numba, call, num_splits=num_splits)
+    monkeypatch.setattr(numba_kvcache, "PARALLEL_MIN_BYTES", 0)
+    parallel, _, _, _ = run(numba, call, num_splits=num_splits)
+    torch.testing.assert_close(parallel, serial, rtol=0, atol=0)
