@@ -69,14 +69,18 @@ def attention_forward(
     gqa = query.shape[1] != key.shape[1]
     if ranges is not None:
         q_starts, q_lens, k_starts, k_lens = ranges
-        every_query = bool((q_starts == 0).all() & (q_lens == q_len).all())
-        every_key = bool((k_starts == 0).all() & (k_lens == key.shape[2]).all())
+        unpadded = attention_mask is None  # a decode step's usual case: no tensor ops
+        every_query = unpadded or bool((q_starts == 0).all() & (q_lens == q_len).all())
+        every_key = unpadded or bool((k_starts == 0).all() & (k_lens == key.shape[2]).all())
         if every_query and q_len <= DECODE_QUERIES and not _wants_grad(query, key, value):
             device = query.device
+            lengths, leftpad = key.shape[2], None
+            if not every_key:
+                lengths, leftpad = (k_starts + k_lens).int().to(device), k_starts.int().to(device)
             out = attention_with_kvcache(
-                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                (k_starts + k_lens).int().to(device), cache_leftpad=k_starts.int().to(device),
-                scale=scaling, window=window, softcap=softcap, backend=backend,
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), lengths,
+                cache_leftpad=leftpad, scale=scaling, window=window, softcap=softcap,
+                backend=backend,
             )  # fmt: skip
             return out.contiguous(), None
         if not (every_query and every_key):
