@@ -106,8 +106,8 @@ def tune_command(args: argparse.Namespace) -> int:
         first = f"numba from L={rule['numba_from']}" if rule["numba_from"] else "sdpa"
         console.print(f"{kind:32s} {first:22s} numba/sdpa {ratios}", highlight=False)
     decode = table["decode"]
-    first = decode["numba_from_bytes"]
-    first = f"numba from {first / 2**20:.0f} MiB" if first else "sdpa"
+    start = decode["numba_from_bytes"]
+    first = f"numba from {start / 2**20:.0f} MiB" if start else "sdpa"
     ratios = ", ".join(f"{int(size) / 2**20:.0f} MiB: {ratio:.2f}x"
                        for size, ratio in decode["ratios"].items())  # fmt: skip
     console.print(f"{'decode (K+V per call)':32s} {first:22s} numba/sdpa {ratios}", highlight=False)

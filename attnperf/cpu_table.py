@@ -176,9 +176,7 @@ def decode_numba_leads(inputs: KVCacheInputs, rule: DecodeRule) -> bool:
     length: 8 and 128 MiB, 32/8 and 8/2 heads, 2-core AVX-512 machine)."""
     if inputs.dtype != torch.float32 or rule.numba_from_bytes is None:
         return False
-    keys = int(inputs.sequences.table[:, 4].sum())
-    read = keys * inputs.kv_heads * (inputs.head_dim + inputs.value_dim) * 4
-    return read >= rule.numba_from_bytes
+    return inputs.kv_bytes >= rule.numba_from_bytes
 
 
 def numba_leads(inputs: AttentionInputs, rules: list[Rule]) -> bool:

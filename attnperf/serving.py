@@ -223,6 +223,17 @@ class KVCacheInputs:
         return band(self.is_causal, self.variant.window)
 
     @property
+    def contiguous(self) -> bool:
+        """Whether the cache is a contiguous (B, S_max, H, E) one: page b is sequence b's."""
+        return self.block_table.shape[1] == 1 and self.k_pages.shape[0] == self.batch
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V the call's sequences read, in fp32 (what the kernels compute in)."""
+        keys = int(self.sequences.table[:, 4].sum())
+        return keys * self.kv_heads * (self.head_dim + self.value_dim) * 4
+
+    @property
     def needs_grad(self) -> bool:
         tensors = (self.query, self.k_pages, self.v_pages, self.k_new, self.v_new)
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

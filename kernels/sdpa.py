@@ -74,8 +74,7 @@ class SdpaBackend(Backend):
             return _kvcache_rows(inputs), None
         table = inputs.sequences.table.to(inputs.device)
         starts, longest = table[:, 3], inputs.sequences.max_kv_len
-        contiguous = inputs.block_table.shape[1] == 1 and inputs.k_pages.shape[0] == inputs.batch
-        if contiguous and not bool((starts != 0).any()):
+        if inputs.contiguous and not bool((starts != 0).any()):
             key, value = (t[:, :longest].transpose(1, 2) for t in (inputs.k_pages, inputs.v_pages))
         else:
             positions = starts[:, None] + torch.arange(longest, device=inputs.device)
@@ -104,8 +103,7 @@ def _kvcache_rows(inputs: KVCacheInputs) -> Tensor:
     kv_heads = inputs.kv_heads
     rows = inputs.query.reshape(batch, kv_heads, q_heads // kv_heads * q_len, -1)
     starts, lengths = (inputs.sequences.table[:, column].tolist() for column in (3, 4))
-    contiguous = inputs.block_table.shape[1] == 1 and inputs.k_pages.shape[0] == batch
-    if contiguous and len(set(starts)) == 1 and len(set(lengths)) == 1 and lengths[0] > 0:
+    if inputs.contiguous and len(set(starts)) == 1 and len(set(lengths)) == 1 and lengths[0] > 0:
         keys = slice(starts[0], starts[0] + lengths[0])
         key, value = (t[:, keys].transpose(1, 2) for t in (inputs.k_pages, inputs.v_pages))
         out = F.scaled_dot_product_attention(rows, key, value, scale=inputs.scale)
@@ -114,7 +112,7 @@ def _kvcache_rows(inputs: KVCacheInputs) -> Tensor:
         for b, (start, length) in enumerate(zip(starts, lengths, strict=True)):
             if length == 0:
                 continue
-            if contiguous:  # a view, not a copy
+            if inputs.contiguous:  # a view, not a copy
                 key, value = (t[b, start : start + length].transpose(0, 1)
                               for t in (inputs.k_pages, inputs.v_pages))  # fmt: skip
             else:

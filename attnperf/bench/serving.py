@@ -163,9 +163,6 @@ def kv_bytes(batch: int, length: int, kv_heads: int, head_dim: int) -> int:
     return 2 * batch * length * kv_heads * head_dim * 4
 
 
-DECODE_CALLS = ("numba", "sdpa rows", "sdpa gqa")
-
-
 def decode_calls(batch: int, length: int) -> dict[str, Callable]:
     """numba's step and SDPA's two forms at one point (Llama-3-8B's heads)."""
     shape = (DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM)

@@ -264,8 +264,7 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of a KV-cache call:
     split-K over (batch, kv head, split) items, merged exactly."""
     k_pages, v_pages = inputs.k_pages, inputs.v_pages
-    contiguous = inputs.block_table.shape[1] == 1 and inputs.batch == k_pages.shape[0]
-    if contiguous and inputs.dtype != torch.float32:  # converted: only the filled rows
+    if inputs.contiguous and inputs.dtype != torch.float32:  # converted: only the filled rows
         filled = int((inputs.sequences.table[:, 3] + inputs.sequences.table[:, 4]).max())
         k_pages, v_pages = k_pages[:, :filled], v_pages[:, :filled]
     # The kernel reads C-contiguous pages: (P, rows, H, E), or (P, H, rows, E) where the
@@ -277,13 +276,7 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     q = as_fp32(inputs.query)
     k_pages, v_pages = (np.ascontiguousarray(as_fp32(t)) for t in (k_pages, v_pages))
     threads = torch.get_num_threads()
-    read = (
-        int(inputs.sequences.table[:, 4].sum())
-        * inputs.kv_heads
-        * 4
-        * (inputs.head_dim + inputs.value_dim)
-    )
-    parallel = threads > 1 and read >= PARALLEL_MIN_BYTES
+    parallel = threads > 1 and inputs.kv_bytes >= PARALLEL_MIN_BYTES
     splits = kvcache_splits(inputs, threads if parallel else 1)
     shape = (*q.shape[:3], v_pages.shape[3])
     # (tensor, array) pairs: kept bound while the kernels run, as the tensors own the memory.

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from attnperf.kernels.triton.jit import jit, next_power_of_2, tl, triton
-from attnperf.linear_inputs import LinearAttentionInputs, l2norm
+from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs, l2norm
 
 CHUNK = 64  # steps between stored states: the backward replays one chunk at a time
 
@@ -42,6 +42,24 @@ def gated_step(S, k, v, G, Beta, step, head_dim, offs_k, mask_k, HAS_GATE: tl.co
 
 
 @jit
+def state_slice(pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim,
+                BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """What program (pid_v, pid) works on: sequence n, value head hv and its key head hk;
+    the sequence's (slot, start, length); the key and value offsets and masks of its (K, BV)
+    state slice, and the slice's offsets and mask in a (K, V) state."""
+    n, hv = pid // heads, pid % heads
+    hk = hv // (heads // key_heads)
+    slot, start, length = (tl.load(Sequences + n * 3), tl.load(Sequences + n * 3 + 1),
+                           tl.load(Sequences + n * 3 + 2))  # fmt: skip
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < head_dim, offs_v < value_dim
+    tile = offs_k[:, None] * value_dim + offs_v[None, :]
+    mask = mask_k[:, None] & mask_v[None, :]
+    return n, hv, hk, slot, start, length, offs_k, offs_v, mask_k, mask_v, tile, mask
+
+
+@jit
 def linear_forward_kernel(
     Q, K, V, G, Beta, H0, Out, Final, Saved, Sequences,
     scale, heads, key_heads, steps, head_dim, value_dim, chunks,
@@ -52,15 +70,9 @@ def linear_forward_kernel(
     """out (B, T, HV, V) and final (N, HV, K, V); with SAVE the state before every chunk
     into saved (N, HV, chunks, K, V). Inputs are fp32, contiguous, (B, T, heads, dim)."""
     pid_v, pid = tl.program_id(0), tl.program_id(1)
-    n, hv = pid // heads, pid % heads
-    hk = hv // (heads // key_heads)
-    slot, start, length = (tl.load(Sequences + n * 3), tl.load(Sequences + n * 3 + 1),
-                           tl.load(Sequences + n * 3 + 2))  # fmt: skip
-    offs_k = tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = offs_k < head_dim, offs_v < value_dim
-    tile = offs_k[:, None] * value_dim + offs_v[None, :]
-    mask = mask_k[:, None] & mask_v[None, :]
+    n, hv, hk, slot, start, length, offs_k, offs_v, mask_k, mask_v, tile, mask = state_slice(
+        pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim, BK, BV
+    )
     state = (n * heads + hv).to(tl.int64) * head_dim * value_dim
     S = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_H0:
@@ -93,15 +105,9 @@ def linear_backward_kernel(
     HV, gate dims) and dbeta (blocks, B, T, HV) per value-column block; dv (B, T, HV, V) and
     dh0 (N, HV, K, V) whole."""
     pid_v, pid = tl.program_id(0), tl.program_id(1)
-    n, hv = pid // heads, pid % heads
-    hk = hv // (heads // key_heads)
-    slot, start, length = (tl.load(Sequences + n * 3), tl.load(Sequences + n * 3 + 1),
-                           tl.load(Sequences + n * 3 + 2))  # fmt: skip
-    offs_k = tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = offs_k < head_dim, offs_v < value_dim
-    tile = offs_k[:, None] * value_dim + offs_v[None, :]
-    mask = mask_k[:, None] & mask_v[None, :]
+    n, hv, hk, slot, start, length, offs_k, offs_v, mask_k, mask_v, tile, mask = state_slice(
+        pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim, BK, BV
+    )
     local = offs_k[:, None] * BV + tl.arange(0, BV)[None, :]
     scratch = (pid_v * count * heads + pid).to(tl.int64) * CHUNK_STEPS * BK * BV
     state = (n * heads + hv).to(tl.int64) * head_dim * value_dim
@@ -254,7 +260,7 @@ def triton_linear_backward(
     if inputs.l2norm:  # through x / sqrt(sum(x^2) + eps): r (dn - n (n . dn))
         for grad, raw in ((dq, inputs.query), (dk, inputs.key)):
             raw = raw.detach().to(torch.float32)
-            inverse = torch.rsqrt(raw.square().sum(-1, keepdim=True) + 1e-6)
+            inverse = torch.rsqrt(raw.square().sum(-1, keepdim=True) + L2NORM_EPS)
             normal = raw * inverse
             grad.copy_(inverse * (grad - normal * (normal * grad).sum(-1, keepdim=True)))
     return inputs.as_gradients(dq, dk, dv, dg.sum(0), dbeta.sum(0), dh0)
