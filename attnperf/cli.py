@@ -223,6 +223,7 @@ def bench_serving(args: argparse.Namespace) -> int:
     config = serving.ServingConfig(
         decode_lengths=tuple(args.lengths or defaults.decode_lengths),
         batches=tuple(args.decode_batches or defaults.batches),
+        draft_tokens=args.draft_tokens,
         heads=args.heads,
         head_dim=args.head_dim,
         rounds=args.rounds or defaults.rounds,
@@ -241,6 +242,10 @@ def bench_serving(args: argparse.Namespace) -> int:
         show(f"decode, one query token: {heads}; {where}; memory bandwidth (same run): read "
              f"{result['bandwidth_gbps']:.1f} GB/s (a sum), copy {result['copy_gbps']:.1f} "
              "GB/s (read + write)", *decode_table(result["decode"]))  # fmt: skip
+        if result["speculative"]:
+            show(f"speculative step, {config.draft_tokens} query tokens, bottom-right causal: "
+                 f"{heads}; {where}; SDPA under the causal mask (rows: tiled per query head of "
+                 "the group)", *decode_table(result["speculative"]))  # fmt: skip
         show(f"split-K, numba, B=1 (below the threads), {heads}; {where}",
              ["cache S", "one pass ms", "split-K ms", "gain"],
              [(str(r["length"]), f"{r['one_pass_s'] * 1e3:.2f}", f"{r['split_s'] * 1e3:.2f}",
@@ -403,8 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--decode", action="store_true",
                    help="KV-cache decoding, one query token, Llama-3-8B heads: numba vs SDPA "
                         "(group packed as rows, and enable_gqa) per cache length (--lengths, "
-                        "default 1k..64k), split-K on/off, against the read bandwidth "
-                        "measured in the same run")  # fmt: skip
+                        "default 1k..64k), a speculative step (--draft-tokens), split-K "
+                        "on/off, against the read bandwidth measured in the same run")  # fmt: skip
+    b.add_argument("--draft-tokens", type=int, default=4,
+                   help="--decode's speculative step: query tokens per step (0 or 1: none)")  # fmt: skip
     b.add_argument("--decode-batches", type=positive_int, nargs="+",
                    help="--decode's batch sizes (default 1 4); --linear's (8)")  # fmt: skip
     b.add_argument("--linear", action="store_true",

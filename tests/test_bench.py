@@ -215,12 +215,15 @@ def test_linear_bench_crossover_and_flops():
 
 
 # ---------------------------------------------------------------------- --decode, --varlen
-def test_decode_bench_peers_compute_numbas_step():
-    """SDPA's two decode forms, built as the workers build them, give numba's output."""
-    step = serving.DecodeCall("numba", 2, 40, 8, 2, 16)()()  # (B, 1, Hq, E)
-    rows = serving.SdpaDecodeCall("rows", 2, 40, 8, 2, 16)()()  # (B, H, group, E)
-    gqa = serving.SdpaDecodeCall("gqa", 2, 40, 8, 2, 16)()()  # (B, Hq, 1, E)
-    torch.testing.assert_close(rows.reshape(step.shape), step, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_bench_peers_compute_numbas_step(tokens):
+    """SDPA's two decode forms, built as the workers build them, give numba's output: one
+    token without a mask, a speculative step under the bottom-right causal mask."""
+    step = serving.DecodeCall("numba", 2, 40, 8, 2, 16, tokens=tokens)()()  # (B, Lq, Hq, E)
+    rows = serving.SdpaDecodeCall("rows", 2, 40, 8, 2, 16, tokens)()()  # (B, H, group Lq, E)
+    gqa = serving.SdpaDecodeCall("gqa", 2, 40, 8, 2, 16, tokens)()()  # (B, Hq, Lq, E)
+    torch.testing.assert_close(rows.reshape(2, 8, tokens, 16).transpose(1, 2), step,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
     torch.testing.assert_close(gqa.transpose(1, 2), step, rtol=1e-5, atol=1e-5)
 
 

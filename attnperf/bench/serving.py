@@ -37,6 +37,7 @@ class ServingConfig:
 
     decode_lengths: tuple[int, ...] = (1024, 4096, 16384, 65536)
     batches: tuple[int, ...] = (1, 4)
+    draft_tokens: int = 4  # --decode's speculative steps: query tokens per step (0: none)
     sequences: int = 8  # --varlen: a packed batch of this many sequences
     shortest: int = 128
     longest: int = 4096
@@ -90,41 +91,51 @@ def race(config: ServingConfig, calls: dict[str, Callable]) -> dict[str, Contend
 
 # ---------------------------------------------------------------------------- decode
 class DecodeCall:
-    """attention_with_kvcache of one query token over a full contiguous fp32 cache."""
+    """attention_with_kvcache of `tokens` query tokens (bottom-right causal when more than
+    one: a speculative step) over a full contiguous fp32 cache."""
 
-    def __init__(self, backend, batch, length, heads, kv_heads, head_dim, num_splits=0):
-        self.args = (backend, batch, length, heads, kv_heads, head_dim, num_splits)
+    def __init__(self, backend, batch, length, heads, kv_heads, head_dim, num_splits=0,
+                 tokens=1):  # fmt: skip
+        self.args = (backend, batch, length, heads, kv_heads, head_dim, num_splits, tokens)
 
     def __call__(self) -> Callable[[], object]:
-        backend, batch, length, heads, kv_heads, head_dim, num_splits = self.args
+        backend, batch, length, heads, kv_heads, head_dim, num_splits, tokens = self.args
         gen = torch.Generator().manual_seed(0)
-        q = torch.randn(batch, 1, heads, head_dim, generator=gen)
+        q = torch.randn(batch, tokens, heads, head_dim, generator=gen)
         k_cache, v_cache = (torch.randn(batch, length, kv_heads, head_dim, generator=gen)
                             for _ in range(2))  # fmt: skip
         return lambda: attnperf.attention_with_kvcache(
-            q, k_cache, v_cache, length, backend=backend, num_splits=num_splits
-        )
+            q, k_cache, v_cache, length, is_causal=tokens > 1, backend=backend,
+            num_splits=num_splits,
+        )  # fmt: skip
 
 
 class SdpaDecodeCall:
     """torch's SDPA on DecodeCall's inputs, its cache moved to (B, H, S, E) (transformers'
     layout), as its users call it: "rows", the query heads of each group packed as the rows
-    of their key/value head (exact for one token, no mask), or "gqa", enable_gqa=True."""
+    of their key/value head (exact: no mask for one token; for a speculative step the
+    bottom-right causal mask, tiled once per query head of the group), or "gqa",
+    enable_gqa=True (with the mask for a speculative step)."""
 
-    def __init__(self, form, batch, length, heads, kv_heads, head_dim):
-        self.args = (form, batch, length, heads, kv_heads, head_dim)
+    def __init__(self, form, batch, length, heads, kv_heads, head_dim, tokens=1):
+        self.args = (form, batch, length, heads, kv_heads, head_dim, tokens)
 
     def __call__(self) -> Callable[[], object]:
-        form, batch, length, heads, kv_heads, head_dim = self.args
+        form, batch, length, heads, kv_heads, head_dim, tokens = self.args
         gen = torch.Generator().manual_seed(0)
-        q = torch.randn(batch, 1, heads, head_dim, generator=gen)
+        q = torch.randn(batch, tokens, heads, head_dim, generator=gen).transpose(1, 2)
         k_cache, v_cache = (torch.randn(batch, length, kv_heads, head_dim, generator=gen)
                             .transpose(1, 2).contiguous() for _ in range(2))  # fmt: skip
+        group = heads // kv_heads
+        mask = None  # query token i sees the keys up to length - tokens + i
+        if tokens > 1:
+            mask = torch.ones(tokens, length, dtype=torch.bool).tril(length - tokens)
         if form == "rows":
-            rows = q.view(batch, kv_heads, heads // kv_heads, head_dim)
-            return lambda: F.scaled_dot_product_attention(rows, k_cache, v_cache)
-        q = q.transpose(1, 2)
-        return lambda: F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=True)
+            rows = q.reshape(batch, kv_heads, group * tokens, head_dim)
+            if mask is not None:
+                mask = mask.repeat(group, 1)
+            return lambda: F.scaled_dot_product_attention(rows, k_cache, v_cache, mask)
+        return lambda: F.scaled_dot_product_attention(q, k_cache, v_cache, mask, enable_gqa=True)
 
 
 class CopyCall:
@@ -163,19 +174,20 @@ def kv_bytes(batch: int, length: int, kv_heads: int, head_dim: int) -> int:
     return 2 * batch * length * kv_heads * head_dim * 4
 
 
-def decode_calls(batch: int, length: int) -> dict[str, Callable]:
+def decode_calls(batch: int, length: int, tokens: int = 1) -> dict[str, Callable]:
     """numba's step and SDPA's two forms at one point (Llama-3-8B's heads)."""
     shape = (DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM)
-    return {"numba": DecodeCall("numba", batch, length, *shape),
-            "sdpa rows": SdpaDecodeCall("rows", batch, length, *shape),
-            "sdpa gqa": SdpaDecodeCall("gqa", batch, length, *shape)}  # fmt: skip
+    return {"numba": DecodeCall("numba", batch, length, *shape, tokens=tokens),
+            "sdpa rows": SdpaDecodeCall("rows", batch, length, *shape, tokens=tokens),
+            "sdpa gqa": SdpaDecodeCall("gqa", batch, length, *shape, tokens=tokens)}  # fmt: skip
 
 
-def decode_row(batch: int, length: int, timed: dict[str, Contender], bandwidth: float) -> dict:
+def decode_row(batch: int, length: int, timed: dict[str, Contender], bandwidth: float,
+               tokens: int = 1) -> dict:  # fmt: skip
     """One decode point: each call's time, K and V read per second and its share of the
     read bandwidth; numba's speed against each SDPA form (> 1: numba faster)."""
     read = kv_bytes(batch, length, DECODE_KV_HEADS, DECODE_HEAD_DIM)
-    row = {"batch": batch, "length": length}
+    row = {"batch": batch, "length": length, "tokens": tokens}
     for label, result in timed.items():
         key = label.replace(" ", "_")
         row[f"{key}_s"] = result.median_s
@@ -195,8 +207,9 @@ def read_bandwidth(config) -> tuple[float, float]:
 
 
 def decode_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> dict:
-    """numba against SDPA's two forms per (batch, cache length); split-K on and off at B = 1;
-    the memory bandwidth, all in one run."""
+    """numba against SDPA's two forms per (batch, cache length), for one token and for a
+    speculative step of `draft_tokens`; split-K on and off at B = 1; the memory bandwidth,
+    all in one run."""
     copy, bandwidth = read_bandwidth(config)
     on_progress(f"bandwidth: copy {copy / 1e9:.1f} GB/s, read {bandwidth / 1e9:.1f} GB/s")
     rows = []
@@ -206,6 +219,13 @@ def decode_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> d
                                    bandwidth))  # fmt: skip
             on_progress(f"decode B={batch} S={length}: numba {rows[-1]['vs_sdpa_rows']:.2f}x "
                         "sdpa rows")  # fmt: skip
+    speculative = []  # SDPA has no exact maskless packing for these: reported apart
+    for batch in config.batches if config.draft_tokens > 1 else ():
+        for length in config.decode_lengths:
+            timed = race(config, decode_calls(batch, length, config.draft_tokens))
+            speculative.append(decode_row(batch, length, timed, bandwidth, config.draft_tokens))
+            on_progress(f"speculative B={batch} S={length}: numba "
+                        f"{speculative[-1]['vs_sdpa_rows']:.2f}x sdpa rows")  # fmt: skip
     shape = (DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM)
     splits = []  # B = 1, below the thread count: split-K is what keeps the threads busy
     for length in config.decode_lengths:
@@ -217,7 +237,7 @@ def decode_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> d
                        "gain": single / split})  # fmt: skip
         on_progress(f"split-K S={length}: {single / split:.2f}x")
     return {"copy_gbps": copy / 1e9, "bandwidth_gbps": bandwidth / 1e9, "decode": rows,
-            "split_k": splits}  # fmt: skip
+            "speculative": speculative, "split_k": splits}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- varlen
