@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                         "default 1k..64k), a speculative step (--draft-tokens), split-K "
                         "on/off, against the read bandwidth measured in the same run")  # fmt: skip
     b.add_argument("--draft-tokens", type=int, default=4,
-                   help="--decode's speculative step: query tokens per step (0 or 1: none)")  # fmt: skip
+                   help="--decode's speculative step: query tokens (0 or 1: none)")  # fmt: skip
     b.add_argument("--decode-batches", type=positive_int, nargs="+",
                    help="--decode's batch sizes (default 1 4); --linear's (8)")  # fmt: skip
     b.add_argument("--linear", action="store_true",

@@ -17,9 +17,10 @@ against SDPA and triton on the padded batch under a padding mask. Linear-attenti
 (fp32, the gated delta rule with Qwen3-Next's heads, 16 key and 32 value heads of 128, B = 1,
 T = 4k and 16k, forward and forward+backward): `linear_attention` on triton against fla's
 `chunk_gated_delta_rule` where fla is installed and transformers' torch fallback where
-transformers is, after an agreement check against the float64 recurrence. Without a GPU,
-`TRITON_INTERPRET=1 python benches/gpu_check.py --tiny` runs the same script end to end on
-CPU at tiny sizes (its timings mean nothing there).
+transformers is, after an agreement check against the float64 recurrence; and scalar gates
+with the additive rule (simple GLA, q and k at all 32 heads) against fla's
+`chunk_simple_gla`. Without a GPU, `TRITON_INTERPRET=1 python benches/gpu_check.py --tiny`
+runs the same script end to end on CPU at tiny sizes (its timings mean nothing there).
 """
 
 from __future__ import annotations
@@ -308,8 +309,9 @@ def report(rows, dtype_name, head_dim, length, causal, pass_, timings, flops) ->
 
 
 def linear_peers() -> dict:
-    """fla's chunk_gated_delta_rule and transformers' fallback, where installed, as
-    fn(q, k, v, g, beta) -> out with l2-normalised q and k."""
+    """fla's chunk_gated_delta_rule and transformers' fallback (l2-normalised q and k), and
+    fla's chunk_simple_gla (scalar gates, the additive rule, no beta), where installed, as
+    fn(q, k, v, g, beta) -> out."""
     peers = {}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -318,6 +320,12 @@ def linear_peers() -> dict:
             q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
     except ImportError:
         print("  fla not installed: no fla row", file=sys.stderr)
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        peers["fla simple gla"] = lambda q, k, v, g, beta: chunk_simple_gla(q, k, v, g)[0]
+    except ImportError:
+        print("  fla not installed: no fla simple gla row", file=sys.stderr)
     try:
         from transformers.models.qwen3_next.modeling_qwen3_next import (
             torch_chunk_gated_delta_rule,
@@ -359,22 +367,30 @@ def benchmark_linear(device: str, tiny: bool, rows: list[dict]) -> int:
         failures += 1
         print(f"FAIL linear attention: {str(error)[:500]}")
     peers = linear_peers()
+    simple = peers.pop("fla simple gla", None)
     for steps in (32,) if tiny else (4096, 16384):
         q, k, v, g, beta = inputs(steps)
-        contenders = {"triton": lambda q, k, v, g, beta: attnperf.linear_attention(
-            q, k, v, g=g, beta=beta, use_qk_l2norm=True, backend="triton")[0]}  # fmt: skip
-        contenders |= peers
+        gated_delta = {"triton": lambda q, k, v, g, beta: attnperf.linear_attention(
+            q, k, v, g=g, beta=beta, use_qk_l2norm=True, backend="triton")[0]} | peers  # fmt: skip
+        simple_gla = {"triton": lambda q, k, v, g, beta: attnperf.linear_attention(
+            q, k, v, g=g, backend="triton")[0]}  # fmt: skip
+        if simple is not None:
+            simple_gla["fla"] = simple
         flops = 2 * steps * heads * (2 * dim * dim + 64 * 2 * dim)
-        for pass_ in ("forward", "forward+backward"):
-            timings = {}
-            for name, fn in contenders.items():
-                leaves = [t.detach().requires_grad_(pass_ != "forward") for t in (g, beta)]
-                timings[name] = measure(
-                    lambda q, k, v, _, fn=fn, leaves=leaves: fn(q, k, v, *leaves),
-                    q, k, v, False, pass_, torch.randn_like(v), device,
-                )  # fmt: skip
-            report(rows, "fp32-gated-delta", dim, steps, True, pass_, timings,
-                   flops * (3.5 if pass_ == "forward+backward" else 1))  # fmt: skip
+        # simple GLA: q and k at every value head (fla's simple_gla has no grouped heads)
+        wide = [t.repeat_interleave(heads // key_heads, 2) for t in (q, k)]
+        for label, contenders, (q_in, k_in) in (("fp32-gated-delta", gated_delta, (q, k)),
+                                                ("fp32-simple-gla", simple_gla, wide)):  # fmt: skip
+            for pass_ in ("forward", "forward+backward"):
+                timings = {}
+                for name, fn in contenders.items():
+                    leaves = [t.detach().requires_grad_(pass_ != "forward") for t in (g, beta)]
+                    timings[name] = measure(
+                        lambda q, k, v, _, fn=fn, leaves=leaves: fn(q, k, v, *leaves),
+                        q_in, k_in, v, False, pass_, torch.randn_like(v), device,
+                    )  # fmt: skip
+                report(rows, label, dim, steps, True, pass_, timings,
+                       flops * (3.5 if pass_ == "forward+backward" else 1))  # fmt: skip
     return failures
 
 

@@ -1,14 +1,17 @@
-"""Linear attention on GPU: the recurrence token by token, fused (fla's "fused recurrent"
-form), forward and backward.
+"""Linear attention on GPU: the chunked forward (fla's "chunk" form) for scalar or no gates,
+the recurrence token by token (its "fused recurrent" form) for per-key-dim gates and short
+calls, and a backward that replays the recurrence.
 
-One program per (block of value columns, sequence x value head) keeps its (K, BV) slice of
-the state in registers and walks the steps: S = diag(exp(g_t)) S; additive S += k v^T, or
-delta u = beta (v - S^T k), S += k u^T; o = S^T (scale q). Value columns are independent in
-every step, so the state's slices never meet. The forward stores the state every CHUNK
-steps when a backward will follow; the backward replays each chunk from its stored state
-(keeping the chunk's states in a scratch buffer) and walks it in reverse. Gradients that sum
-over value columns (q, k, beta, g) are written per column block and summed by the launcher.
-q and k are l2-normalised by the launcher, in float32, when the call asks.
+Chunked: one program per (block of value columns, sequence x value head) keeps its (K, BV)
+slice of the state in registers and walks the chunks of 64 steps, each chunk's intra-chunk
+attention and (delta rule) WY solve on tiles: see linear_chunk_kernel. Token by token: the
+same programs walk the steps: S = diag(exp(g_t)) S; additive S += k v^T, or delta u = beta
+(v - S^T k), S += k u^T; o = S^T (scale q). Value columns are independent in every step, so
+the state's slices never meet. Either forward stores the state every CHUNK steps when a
+backward will follow; the backward replays each chunk from its stored state (keeping the
+chunk's states in a scratch buffer) and walks it in reverse. Gradients that sum over value
+columns (q, k, beta, g) are written per column block and summed by the launcher. q and k are
+l2-normalised by the launcher, in float32, when the call asks.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from torch import Tensor
 from attnperf.kernels.triton.jit import jit, next_power_of_2, tl, triton
 from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs, l2norm
 
-CHUNK = 64  # steps between stored states: the backward replays one chunk at a time
+CHUNK = 64  # steps per chunk, and between stored states: the backward replays a chunk at a time
+# Up to this many steps (decoding, speculative steps), the forward goes token by token.
+RECURRENT_MAX_STEPS = 16
 
 
 @jit
@@ -60,6 +65,16 @@ def state_slice(pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim,
 
 
 @jit
+def initial_slice(H0, n, hv, heads, head_dim, value_dim, tile, mask, HAS_H0: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """(the offset of state (n, hv) in a (N, HV, K, V) state, its slice of h0, or zeros)."""
+    state = (n * heads + hv).to(tl.int64) * head_dim * value_dim
+    if HAS_H0:
+        return state, tl.load(H0 + state + tile, mask=mask, other=0.0)
+    return state, tl.zeros((BK, BV), dtype=tl.float32)
+
+
+@jit
 def linear_forward_kernel(
     Q, K, V, G, Beta, H0, Out, Final, Saved, Sequences,
     scale, heads, key_heads, steps, head_dim, value_dim, chunks,
@@ -73,10 +88,7 @@ def linear_forward_kernel(
     n, hv, hk, slot, start, length, offs_k, offs_v, mask_k, mask_v, tile, mask = state_slice(
         pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim, BK, BV
     )
-    state = (n * heads + hv).to(tl.int64) * head_dim * value_dim
-    S = tl.zeros((BK, BV), dtype=tl.float32)
-    if HAS_H0:
-        S = tl.load(H0 + state + tile, mask=mask, other=0.0)
+    state, S = initial_slice(H0, n, hv, heads, head_dim, value_dim, tile, mask, HAS_H0, BK, BV)
     for i in range(0, length):
         if SAVE:  # noqa: SIM102 (a constexpr, then a value: triton compiles them apart)
             if i % CHUNK_STEPS == 0:
@@ -167,6 +179,76 @@ def linear_backward_kernel(
     tl.store(DH0 + state + tile, dS, mask=mask)
 
 
+@jit
+def linear_chunk_kernel(
+    Q, K, V, G, Beta, H0, Out, Final, Saved, Sequences,
+    scale, heads, key_heads, steps, head_dim, value_dim, chunks,
+    HAS_GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr, SAVE: tl.constexpr,
+    CHUNK_STEPS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """linear_forward_kernel's results by chunks of CHUNK_STEPS (no per-key-dim gates): per
+    chunk, with Gamma the cumulative gate within it (in float64) and q^ = scale q,
+
+        A = tril(q^ k^T * exp(Gamma_i - Gamma_j));  delta rule: M = strict_tril(diag(beta)
+        k k^T * exp(Gamma_i - Gamma_j)), (I + M) U = diag(beta) v - diag(beta exp(Gamma)) k
+        S0 (forward substitution), additive rule: U = v;
+        O = (q^ exp(Gamma)) S0 + A U;  S1 = exp(Gamma_last) S0 + (k exp(Gamma_last - Gamma))^T U
+
+    Every exponential is of a non-positive difference (masked before it is taken). With
+    SAVE, S0 of every chunk goes to saved, as linear_backward_kernel replays from it."""
+    pid_v, pid = tl.program_id(0), tl.program_id(1)
+    n, hv, hk, slot, start, length, offs_k, offs_v, mask_k, mask_v, tile, mask = state_slice(
+        pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim, BK, BV
+    )
+    state, S = initial_slice(H0, n, hv, heads, head_dim, value_dim, tile, mask, HAS_H0, BK, BV)
+    offs_c = tl.arange(0, CHUNK_STEPS)
+    lower = offs_c[:, None] >= offs_c[None, :]
+    strict = offs_c[:, None] > offs_c[None, :]
+    for c in range(0, tl.cdiv(length, CHUNK_STEPS)):
+        if SAVE:
+            saved = ((n * heads + hv).to(tl.int64) * chunks + c) * head_dim
+            tl.store(Saved + saved * value_dim + tile, S, mask=mask)
+        valid = c * CHUNK_STEPS + offs_c < length
+        row = (slot * steps + start + c * CHUNK_STEPS + offs_c).to(tl.int64)
+        keys = (row * key_heads + hk)[:, None] * head_dim + offs_k[None, :]
+        rows_k = valid[:, None] & mask_k[None, :]
+        q = tl.load(Q + keys, mask=rows_k, other=0.0) * scale
+        k = tl.load(K + keys, mask=rows_k, other=0.0)
+        values = (row * heads + hv)[:, None] * value_dim + offs_v[None, :]
+        rows_v = valid[:, None] & mask_v[None, :]
+        v = tl.load(V + values, mask=rows_v, other=0.0)
+        e_in = tl.full((CHUNK_STEPS,), 1.0, tl.float32)  # exp(Gamma_i)
+        e_out = tl.full((CHUNK_STEPS,), 1.0, tl.float32)  # exp(Gamma_last - Gamma_i)
+        e_last = 1.0
+        decay = tl.where(lower, 1.0, 0.0)  # exp(Gamma_i - Gamma_j), j <= i
+        if HAS_GATE:  # rows past the sequence have gate 0: Gamma stays at its last value
+            gamma = tl.cumsum(tl.load(G + row * heads + hv, mask=valid, other=0.0)
+                              .to(tl.float64), 0)  # fmt: skip
+            last = tl.sum(tl.where(offs_c == CHUNK_STEPS - 1, gamma, 0.0), 0)
+            e_in = tl.exp(gamma.to(tl.float32))
+            e_out = tl.exp((last - gamma).to(tl.float32))
+            e_last = tl.exp(last.to(tl.float32))
+            difference = (gamma[:, None] - gamma[None, :]).to(tl.float32)
+            decay = tl.exp(tl.where(lower, difference, float("-inf")))
+        if DELTA:
+            b = tl.load(Beta + row * heads + hv, mask=valid, other=0.0)
+            m = tl.dot(k, tl.trans(k), input_precision="ieee") * decay * b[:, None]
+            m = tl.where(strict, m, 0.0)
+            u = v * b[:, None] - tl.dot(k * (b * e_in)[:, None], S, input_precision="ieee")
+            for i in range(1, CHUNK_STEPS):  # row i of U: its Z minus M's rows j < i of U
+                m_i = tl.sum(tl.where(offs_c[:, None] == i, m, 0.0), 0)
+                u -= tl.where(offs_c[:, None] == i, tl.sum(m_i[:, None] * u, 0)[None, :], 0.0)
+        else:
+            u = v
+        a = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="ieee") * decay, 0.0)
+        out = tl.dot(q * e_in[:, None], S, input_precision="ieee")
+        out += tl.dot(a, u, input_precision="ieee")
+        tl.store(Out + values, out, mask=rows_v)
+        kd = k * e_out[:, None]
+        S = S * e_last + tl.dot(tl.trans(kd), u, input_precision="ieee")
+    tl.store(Final + state + tile, S, mask=mask)
+
+
 # ---------------------------------------------------------------------------- launchers
 def _blocks(inputs: LinearAttentionInputs) -> tuple[int, int, int]:
     """(BK, BV, value-column blocks)."""
@@ -195,9 +277,12 @@ def _flags(inputs: LinearAttentionInputs) -> dict:
             "DELTA": inputs.beta is not None, "CHUNK_STEPS": CHUNK}  # fmt: skip
 
 
+def _longest(inputs: LinearAttentionInputs) -> int:
+    return int(inputs.sequences[:, 2].max()) if inputs.count else 0
+
+
 def _chunks(inputs: LinearAttentionInputs) -> int:
-    longest = int(inputs.sequences[:, 2].max()) if inputs.count else 0
-    return max(triton.cdiv(longest, CHUNK), 1)
+    return max(triton.cdiv(_longest(inputs), CHUNK), 1)
 
 
 def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -210,12 +295,19 @@ def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Ten
     saved = torch.empty((*inputs.state_shape[:2], chunks, *inputs.state_shape[2:]) if save
                         else (1,), dtype=torch.float32, device=device)  # fmt: skip
     bk, bv, blocks = _blocks(inputs)
+    flags = _flags(inputs)
+    # Scalar or no gates, past a few steps: by chunks; else (per-key-dim gates, decoding)
+    # token by token.
+    chunked = inputs.gate != "vector" and _longest(inputs) > RECURRENT_MAX_STEPS
+    kernel = linear_chunk_kernel if chunked else linear_forward_kernel
+    if chunked:
+        del flags["VECTOR_GATE"]
     if final.numel():
-        linear_forward_kernel[(blocks, inputs.count * inputs.value_heads)](
+        kernel[(blocks, inputs.count * inputs.value_heads)](
             q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), _fp32(inputs.initial_state, v),
             out, final, saved, inputs.sequences.to(device), inputs.scale, inputs.value_heads,
             inputs.key_heads, v.shape[1], inputs.head_dim, inputs.value_dim, chunks,
-            HAS_H0=inputs.initial_state is not None, SAVE=save, BK=bk, BV=bv, **_flags(inputs),
+            HAS_H0=inputs.initial_state is not None, SAVE=save, BK=bk, BV=bv, **flags,
         )  # fmt: skip
     return out, final, saved
 
