@@ -54,6 +54,11 @@ CASES = {
         gate="scalar", gate_scale=20.0, delta=True, initial_state=True, l2norm=True, steps=150
     ),
     "delta_ungated": Case(delta=True, l2norm=True, initial_state=True),
+    # a wide key head (triton's chunks shrink to 16 steps at K > 128)
+    "wide_delta": Case(
+        batch=1, heads=1, value_heads=2, head_dim=150, value_dim=20, steps=40, gate="scalar",
+        gate_scale=3.0, delta=True, l2norm=True, initial_state=True,
+    ),
     # per-key-dim gates: GLA (additive) and Kimi's KDA (delta)
     "gla": Case(gate="vector", steps=70, initial_state=True),
     "kda": Case(gate="vector", delta=True, l2norm=True, steps=70, heads=1, value_heads=2),
@@ -152,9 +157,11 @@ def check(backend: str, case: Case, backward: bool) -> None:
 
 
 # Under Triton's interpreter (CPU) a triton call takes seconds: there, one case per path of
-# its kernels (gate none, scalar and per key; both rules; a state; chunk replays; packing).
+# its kernels (gate none, scalar and per key; both rules; a state; chunks of 64, 32 and 16
+# steps; token by token; packing).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-INTERPRETER_CASES = {"additive", "gated_delta", "kda", "step", "empty", "varlen"}
+INTERPRETER_CASES = {"additive", "gated_delta", "scalar_gqa_odd_dims", "wide_delta", "kda",
+                     "step", "empty", "varlen"}  # fmt: skip
 
 
 def grid(names: list[str]) -> list:

@@ -1,17 +1,18 @@
-"""Linear attention on GPU: the chunked forward (fla's "chunk" form) for scalar or no gates,
-the recurrence token by token (its "fused recurrent" form) for per-key-dim gates and short
-calls, and a backward that replays the recurrence.
+"""Linear attention on GPU, forward and backward: by chunks (fla's "chunk" form) for scalar
+or no gates, token by token (its "fused recurrent" form) for per-key-dim gates and for short
+calls without a backward.
 
 Chunked: one program per (block of value columns, sequence x value head) keeps its (K, BV)
-slice of the state in registers and walks the chunks of 64 steps, each chunk's intra-chunk
-attention and (delta rule) WY solve on tiles: see linear_chunk_kernel. Token by token: the
-same programs walk the steps: S = diag(exp(g_t)) S; additive S += k v^T, or delta u = beta
-(v - S^T k), S += k u^T; o = S^T (scale q). Value columns are independent in every step, so
-the state's slices never meet. Either forward stores the state every CHUNK steps when a
-backward will follow; the backward replays each chunk from its stored state (keeping the
-chunk's states in a scratch buffer) and walks it in reverse. Gradients that sum over value
-columns (q, k, beta, g) are written per column block and summed by the launcher. q and k are
-l2-normalised by the launcher, in float32, when the call asks.
+slice of the state in registers and walks the chunks, each chunk's intra-chunk attention and
+(delta rule) WY solve on tiles (linear_chunk_kernel); the backward walks them in reverse from
+the start states the forward stored, recomputing each chunk (linear_chunk_backward_kernel).
+Token by token: the same programs walk the steps: S = diag(exp(g_t)) S; additive S += k v^T,
+or delta u = beta (v - S^T k), S += k u^T; o = S^T (scale q); the forward stores the state
+every CHUNK steps, and the backward replays each such chunk from it (keeping its states in a
+scratch buffer) and walks it in reverse. Value columns are independent in every step, so the
+state's slices never meet; gradients that sum over value columns (q, k, beta, g) are written
+per column block and summed by the launcher. q and k are l2-normalised by the launcher, in
+float32, when the call asks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 from attnperf.kernels.triton.jit import jit, next_power_of_2, tl, triton
 from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs, l2norm
 
-CHUNK = 64  # steps per chunk, and between stored states: the backward replays a chunk at a time
+CHUNK = 64  # token by token: steps between stored states (the backward replays a chunk at a time)
 # Up to this many steps (decoding, speculative steps), the forward goes token by token.
 RECURRENT_MAX_STEPS = 16
 
@@ -180,6 +181,62 @@ def linear_backward_kernel(
 
 
 @jit
+def dot(a, b):
+    """a @ b in IEEE fp32, never TF32: the state is held to the float64 recurrence."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@jit
+def chunk_tiles(Q, K, V, G, c, length, first_row, hk, hv, heads, key_heads, head_dim,
+                value_dim, scale, offs_k, offs_v, mask_k, mask_v, HAS_GATE: tl.constexpr,
+                CHUNK_STEPS: tl.constexpr):  # fmt: skip
+    """Chunk c of a sequence whose row 0 is `first_row` (rows of (B, T, heads, dim)): its
+    rows and which exist; q^ = scale q, k, v, with the offsets and mask of the value rows;
+    exp(Gamma_i), exp(Gamma_last - Gamma_i), exp(Gamma_last) and decay_ij = exp(Gamma_i -
+    Gamma_j) for j <= i, 0 above; Gamma is the cumulative gate within the chunk, summed in
+    float64 (rows past the sequence add 0), and only its non-positive differences are
+    exponentiated."""
+    offs_c = tl.arange(0, CHUNK_STEPS)
+    lower = offs_c[:, None] >= offs_c[None, :]
+    valid = c * CHUNK_STEPS + offs_c < length
+    row = (first_row + c * CHUNK_STEPS + offs_c).to(tl.int64)
+    keys = (row * key_heads + hk)[:, None] * head_dim + offs_k[None, :]
+    rows_k = valid[:, None] & mask_k[None, :]
+    q = tl.load(Q + keys, mask=rows_k, other=0.0) * scale
+    k = tl.load(K + keys, mask=rows_k, other=0.0)
+    values = (row * heads + hv)[:, None] * value_dim + offs_v[None, :]
+    rows_v = valid[:, None] & mask_v[None, :]
+    v = tl.load(V + values, mask=rows_v, other=0.0)
+    if HAS_GATE:
+        gamma = tl.cumsum(tl.load(G + row * heads + hv, mask=valid, other=0.0)
+                          .to(tl.float64), 0)  # fmt: skip
+        last = tl.sum(tl.where(offs_c == CHUNK_STEPS - 1, gamma, 0.0), 0)
+        difference = (gamma[:, None] - gamma[None, :]).to(tl.float32)
+        return (row, valid, q, k, v, values, rows_v, tl.exp(gamma.to(tl.float32)),
+                tl.exp((last - gamma).to(tl.float32)), tl.exp(last.to(tl.float32)),
+                tl.exp(tl.where(lower, difference, float("-inf"))))  # fmt: skip
+    ones = tl.full((CHUNK_STEPS,), 1.0, tl.float32)
+    return row, valid, q, k, v, values, rows_v, ones, ones, 1.0, tl.where(lower, 1.0, 0.0)
+
+
+@jit
+def wy_update(k, v, b, e_in, decay, S, CHUNK_STEPS: tl.constexpr):
+    """The delta rule's chunk update U from the state S0 before the chunk: (I + M) U =
+    diag(beta) v - X S0, with kk = k k^T * decay below the diagonal (0 on and above it),
+    M = diag(beta) kk and X = diag(beta exp(Gamma)) k, solved by forward substitution.
+    Returns (kk, X, U)."""
+    offs_c = tl.arange(0, CHUNK_STEPS)
+    kk = tl.where(offs_c[:, None] > offs_c[None, :], dot(k, tl.trans(k)) * decay, 0.0)
+    m = kk * b[:, None]
+    x = k * (b * e_in)[:, None]
+    u = v * b[:, None] - dot(x, S)
+    for i in range(1, CHUNK_STEPS):  # row i of U: its Z minus M's rows j < i of U
+        m_i = tl.sum(tl.where(offs_c[:, None] == i, m, 0.0), 0)
+        u -= tl.where(offs_c[:, None] == i, tl.sum(m_i[:, None] * u, 0)[None, :], 0.0)
+    return kk, x, u
+
+
+@jit
 def linear_chunk_kernel(
     Q, K, V, G, Beta, H0, Out, Final, Saved, Sequences,
     scale, heads, key_heads, steps, head_dim, value_dim, chunks,
@@ -187,66 +244,124 @@ def linear_chunk_kernel(
     CHUNK_STEPS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """linear_forward_kernel's results by chunks of CHUNK_STEPS (no per-key-dim gates): per
-    chunk, with Gamma the cumulative gate within it (in float64) and q^ = scale q,
+    chunk (see chunk_tiles, wy_update), with q^ = scale q,
 
-        A = tril(q^ k^T * exp(Gamma_i - Gamma_j));  delta rule: M = strict_tril(diag(beta)
-        k k^T * exp(Gamma_i - Gamma_j)), (I + M) U = diag(beta) v - diag(beta exp(Gamma)) k
-        S0 (forward substitution), additive rule: U = v;
+        A = tril(q^ k^T * decay);  U = v (additive rule), or wy_update's (delta rule);
         O = (q^ exp(Gamma)) S0 + A U;  S1 = exp(Gamma_last) S0 + (k exp(Gamma_last - Gamma))^T U
 
-    Every exponential is of a non-positive difference (masked before it is taken). With
-    SAVE, S0 of every chunk goes to saved, as linear_backward_kernel replays from it."""
+    With SAVE, S0 of every chunk goes to saved, for the backward."""
     pid_v, pid = tl.program_id(0), tl.program_id(1)
     n, hv, hk, slot, start, length, offs_k, offs_v, mask_k, mask_v, tile, mask = state_slice(
         pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim, BK, BV
     )
     state, S = initial_slice(H0, n, hv, heads, head_dim, value_dim, tile, mask, HAS_H0, BK, BV)
-    offs_c = tl.arange(0, CHUNK_STEPS)
-    lower = offs_c[:, None] >= offs_c[None, :]
-    strict = offs_c[:, None] > offs_c[None, :]
     for c in range(0, tl.cdiv(length, CHUNK_STEPS)):
         if SAVE:
             saved = ((n * heads + hv).to(tl.int64) * chunks + c) * head_dim
             tl.store(Saved + saved * value_dim + tile, S, mask=mask)
-        valid = c * CHUNK_STEPS + offs_c < length
-        row = (slot * steps + start + c * CHUNK_STEPS + offs_c).to(tl.int64)
-        keys = (row * key_heads + hk)[:, None] * head_dim + offs_k[None, :]
-        rows_k = valid[:, None] & mask_k[None, :]
-        q = tl.load(Q + keys, mask=rows_k, other=0.0) * scale
-        k = tl.load(K + keys, mask=rows_k, other=0.0)
-        values = (row * heads + hv)[:, None] * value_dim + offs_v[None, :]
-        rows_v = valid[:, None] & mask_v[None, :]
-        v = tl.load(V + values, mask=rows_v, other=0.0)
-        e_in = tl.full((CHUNK_STEPS,), 1.0, tl.float32)  # exp(Gamma_i)
-        e_out = tl.full((CHUNK_STEPS,), 1.0, tl.float32)  # exp(Gamma_last - Gamma_i)
-        e_last = 1.0
-        decay = tl.where(lower, 1.0, 0.0)  # exp(Gamma_i - Gamma_j), j <= i
-        if HAS_GATE:  # rows past the sequence have gate 0: Gamma stays at its last value
-            gamma = tl.cumsum(tl.load(G + row * heads + hv, mask=valid, other=0.0)
-                              .to(tl.float64), 0)  # fmt: skip
-            last = tl.sum(tl.where(offs_c == CHUNK_STEPS - 1, gamma, 0.0), 0)
-            e_in = tl.exp(gamma.to(tl.float32))
-            e_out = tl.exp((last - gamma).to(tl.float32))
-            e_last = tl.exp(last.to(tl.float32))
-            difference = (gamma[:, None] - gamma[None, :]).to(tl.float32)
-            decay = tl.exp(tl.where(lower, difference, float("-inf")))
+        row, valid, q, k, v, values, rows_v, e_in, e_out, e_last, decay = chunk_tiles(
+            Q, K, V, G, c, length, slot * steps + start, hk, hv, heads, key_heads, head_dim,
+            value_dim, scale, offs_k, offs_v, mask_k, mask_v, HAS_GATE, CHUNK_STEPS,
+        )  # fmt: skip
+        u = v
         if DELTA:
             b = tl.load(Beta + row * heads + hv, mask=valid, other=0.0)
-            m = tl.dot(k, tl.trans(k), input_precision="ieee") * decay * b[:, None]
-            m = tl.where(strict, m, 0.0)
-            u = v * b[:, None] - tl.dot(k * (b * e_in)[:, None], S, input_precision="ieee")
-            for i in range(1, CHUNK_STEPS):  # row i of U: its Z minus M's rows j < i of U
-                m_i = tl.sum(tl.where(offs_c[:, None] == i, m, 0.0), 0)
-                u -= tl.where(offs_c[:, None] == i, tl.sum(m_i[:, None] * u, 0)[None, :], 0.0)
-        else:
-            u = v
-        a = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="ieee") * decay, 0.0)
-        out = tl.dot(q * e_in[:, None], S, input_precision="ieee")
-        out += tl.dot(a, u, input_precision="ieee")
+            _, _, u = wy_update(k, v, b, e_in, decay, S, CHUNK_STEPS)
+        a = dot(q, tl.trans(k)) * decay
+        out = dot(q * e_in[:, None], S) + dot(a, u)
         tl.store(Out + values, out, mask=rows_v)
-        kd = k * e_out[:, None]
-        S = S * e_last + tl.dot(tl.trans(kd), u, input_precision="ieee")
+        S = S * e_last + dot(tl.trans(k * e_out[:, None]), u)
     tl.store(Final + state + tile, S, mask=mask)
+
+
+@jit
+def linear_chunk_backward_kernel(
+    Q, K, V, G, Beta, DOut, DFinal, Saved, DQ, DK, DV, DG, DBeta, DH0, Sequences,
+    scale, heads, key_heads, steps, head_dim, value_dim, chunks, rows_per_block,
+    HAS_GATE: tl.constexpr, DELTA: tl.constexpr, HAS_DFINAL: tl.constexpr,
+    CHUNK_STEPS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """linear_backward_kernel's gradients by chunks (no per-key-dim gates), in reverse, each
+    chunk recomputed from its saved S0: the reverse mode of linear_chunk_kernel's lines. The
+    WY form's dM is -dZ U^T, with dZ = (I + M)^-T dU (back substitution). A gate g_s reaches
+    every Gamma_i with i >= s: the terms of exp(Gamma_i) add up from the end of the chunk,
+    those of exp(Gamma_last - Gamma_i) from its start, and a pair (i, j)'s decay reaches the
+    steps j < s <= i (summed as such, never as a difference of sums)."""
+    pid_v, pid = tl.program_id(0), tl.program_id(1)
+    n, hv, hk, slot, start, length, offs_k, offs_v, mask_k, mask_v, tile, mask = state_slice(
+        pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim, BK, BV
+    )
+    state = (n * heads + hv).to(tl.int64) * head_dim * value_dim
+    block = pid_v.to(tl.int64) * rows_per_block  # B * T * HV rows of partials per block
+    offs_c = tl.arange(0, CHUNK_STEPS)
+    strict = offs_c[:, None] > offs_c[None, :]
+    from_s = tl.where(offs_c[None, :] >= offs_c[:, None], 1.0, 0.0)  # [s, i]: i >= s
+    dS = tl.zeros((BK, BV), dtype=tl.float32)
+    if HAS_DFINAL:
+        dS = tl.load(DFinal + state + tile, mask=mask, other=0.0)
+    count = tl.cdiv(length, CHUNK_STEPS)
+    for back in range(0, count):
+        c = count - 1 - back
+        saved = ((n * heads + hv).to(tl.int64) * chunks + c) * head_dim
+        S = tl.load(Saved + saved * value_dim + tile, mask=mask, other=0.0)
+        row, valid, q, k, v, values, rows_v, e_in, e_out, e_last, decay = chunk_tiles(
+            Q, K, V, G, c, length, slot * steps + start, hk, hv, heads, key_heads, head_dim,
+            value_dim, scale, offs_k, offs_v, mask_k, mask_v, HAS_GATE, CHUNK_STEPS,
+        )  # fmt: skip
+        do = tl.load(DOut + values, mask=rows_v, other=0.0)
+        u = v
+        if DELTA:
+            b = tl.load(Beta + row * heads + hv, mask=valid, other=0.0)
+            kk, x, u = wy_update(k, v, b, e_in, decay, S, CHUNK_STEPS)
+        a = dot(q, tl.trans(k)) * decay
+        qg, kd = q * e_in[:, None], k * e_out[:, None]
+        du = dot(tl.trans(a), do) + dot(kd, dS)  # O = qg S0 + A U, S1 = e_last S0 + kd^T U
+        da = dot(do, tl.trans(u))
+        dqg = dot(do, tl.trans(S))
+        dkd = dot(u, tl.trans(dS))
+        own = tl.zeros((CHUNK_STEPS,), dtype=tl.float32)  # terms of exp(Gamma_i)
+        if HAS_GATE:
+            own_last = tl.sum(tl.sum(dS * S, 1), 0) * e_last
+            own += tl.where(offs_c == CHUNK_STEPS - 1, own_last, 0.0)
+            dS = dS * e_last
+        dS += dot(tl.trans(qg), do)
+        dq = dot(da * decay, k)  # A = q^ k^T * decay
+        dk = dot(tl.trans(da * decay), q)
+        pairs = tl.where(strict, da * a, 0.0)  # each pair's gate term
+        if DELTA:  # Z = diag(beta) v - X S0, U = (I + M)^-1 Z, M = diag(beta) kk
+            dz = du
+            for r in range(1, CHUNK_STEPS):  # row i of dZ: its dU minus M's column i of dZ
+                i = CHUNK_STEPS - 1 - r
+                m_i = tl.sum(tl.where(offs_c[None, :] == i, kk * b[:, None], 0.0), 1)
+                dz -= tl.where(offs_c[:, None] == i, tl.sum(m_i[:, None] * dz, 0)[None, :], 0.0)
+            dm = tl.where(strict, -dot(dz, tl.trans(u)), 0.0)
+            dx = -dot(dz, tl.trans(S))
+            dS -= dot(tl.trans(x), dz)
+            tl.store(DV + values, dz * b[:, None], mask=rows_v)
+            dbeta = tl.sum(dx * k * e_in[:, None], 1) + tl.sum(dz * v, 1) + tl.sum(dm * kk, 1)
+            tl.store(DBeta + block + row * heads + hv, dbeta, mask=valid)
+            dk += dx * (b * e_in)[:, None]
+            own += tl.sum(dx * x, 1)
+            dkk = dm * b[:, None]  # kk = k k^T * decay, strictly lower
+            dk += dot(dkk * decay, k) + dot(tl.trans(dkk * decay), k)
+            pairs += dkk * kk
+        else:
+            tl.store(DV + values, du, mask=rows_v)
+        dq += dqg * e_in[:, None]
+        own += tl.sum(dqg * qg, 1)
+        dk += dkd * e_out[:, None]
+        partial = block + row * heads + hv
+        keys = partial[:, None] * head_dim + offs_k[None, :]
+        rows_k = valid[:, None] & mask_k[None, :]
+        tl.store(DQ + keys, dq * scale, mask=rows_k)
+        tl.store(DK + keys, dk, mask=rows_k)
+        if HAS_GATE:
+            to_last = tl.sum(dkd * kd, 1)  # terms of exp(Gamma_last - Gamma_i)
+            dg = tl.sum(from_s * own[None, :], 1)
+            dg += tl.sum(tl.where(offs_c[None, :] < offs_c[:, None], to_last[None, :], 0.0), 1)
+            dg += tl.sum(tl.where(strict, dot(from_s, pairs), 0.0), 1)
+            tl.store(DG + partial, dg, mask=valid)
+    tl.store(DH0 + state + tile, dS, mask=mask)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -281,8 +396,20 @@ def _longest(inputs: LinearAttentionInputs) -> int:
     return int(inputs.sequences[:, 2].max()) if inputs.count else 0
 
 
-def _chunks(inputs: LinearAttentionInputs) -> int:
-    return max(triton.cdiv(_longest(inputs), CHUNK), 1)
+def _chunks(inputs: LinearAttentionInputs, steps: int) -> int:
+    return max(triton.cdiv(_longest(inputs), steps), 1)
+
+
+def _plan(inputs: LinearAttentionInputs, save: bool) -> tuple[bool, int]:
+    """(chunked, steps per chunk). The chunked kernels serve scalar or no gates past a few
+    steps, or where a backward follows; their chunk shrinks as the head dim grows, so that
+    the backward's tiles fit in shared memory (64 / 32 / 16 steps at K <= 64 / 128 / 256;
+    benches/triton_compile_check.py checks them against sm_80's 163 KiB per block). Else
+    token by token, the state stored every CHUNK steps."""
+    if inputs.gate == "vector" or not (save or _longest(inputs) > RECURRENT_MAX_STEPS):
+        return False, CHUNK
+    bk = _blocks(inputs)[0]
+    return True, 64 if bk <= 64 else 32 if bk <= 128 else 16
 
 
 def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -291,14 +418,12 @@ def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Ten
     device = v.device
     out = torch.zeros(v.shape, dtype=torch.float32, device=device)
     final = torch.zeros(inputs.state_shape, dtype=torch.float32, device=device)
-    chunks = _chunks(inputs)
+    chunked, chunk_steps = _plan(inputs, save)
+    chunks = _chunks(inputs, chunk_steps)
     saved = torch.empty((*inputs.state_shape[:2], chunks, *inputs.state_shape[2:]) if save
                         else (1,), dtype=torch.float32, device=device)  # fmt: skip
     bk, bv, blocks = _blocks(inputs)
-    flags = _flags(inputs)
-    # Scalar or no gates, past a few steps: by chunks; else (per-key-dim gates, decoding)
-    # token by token.
-    chunked = inputs.gate != "vector" and _longest(inputs) > RECURRENT_MAX_STEPS
+    flags = _flags(inputs) | {"CHUNK_STEPS": chunk_steps}
     kernel = linear_chunk_kernel if chunked else linear_forward_kernel
     if chunked:
         del flags["VECTOR_GATE"]
@@ -322,7 +447,8 @@ def triton_linear_backward(
     inputs: LinearAttentionInputs, grad_out: Tensor | None, grad_state: Tensor | None
 ) -> tuple[Tensor | None, ...]:
     """(dq, dk, dv, dg, dbeta, dinitial_state), each in its input's dtype, None where the
-    call has no such input. Runs the forward again for the chunks' start states."""
+    call has no such input. Runs the forward again for the chunks' start states, and walks
+    the chunks back: by tiles where the forward runs by chunks, else token by token."""
     _, _, saved = _run_forward(inputs, save=True)
     q, k = _normalised(inputs)
     v = _fp32(inputs.value, q)
@@ -337,14 +463,24 @@ def triton_linear_backward(
     dv = torch.zeros(v.shape, device=device)
     dh0 = torch.zeros(inputs.state_shape, device=device)
     do = torch.zeros(v.shape, device=device) if grad_out is None else _fp32(grad_out, v)
-    if dh0.numel():
+    chunked, chunk_steps = _plan(inputs, save=True)
+    if dh0.numel() and chunked:
+        linear_chunk_backward_kernel[(blocks, inputs.count * heads)](
+            q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), do, _fp32(grad_state, v), saved,
+            dq, dk, dv, dg, dbeta, dh0, inputs.sequences.to(device), inputs.scale, heads,
+            inputs.key_heads, steps, inputs.head_dim, inputs.value_dim,
+            _chunks(inputs, chunk_steps), batch * steps * heads, HAS_GATE=inputs.g is not None,
+            DELTA=inputs.beta is not None, HAS_DFINAL=grad_state is not None,
+            CHUNK_STEPS=chunk_steps, BK=bk, BV=bv,
+        )  # fmt: skip
+    elif dh0.numel():
         scratch = torch.empty((blocks, inputs.count * heads, CHUNK, bk, bv), device=device)
         linear_backward_kernel[(blocks, inputs.count * heads)](
             q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), do, _fp32(grad_state, v), saved,
             scratch, dq, dk, dv, dg, dbeta, dh0, inputs.sequences.to(device), inputs.scale,
-            heads, inputs.key_heads, steps, inputs.head_dim, inputs.value_dim, _chunks(inputs),
-            inputs.count, batch * steps * heads, HAS_DFINAL=grad_state is not None, BK=bk, BV=bv,
-            **_flags(inputs),
+            heads, inputs.key_heads, steps, inputs.head_dim, inputs.value_dim,
+            _chunks(inputs, CHUNK), inputs.count, batch * steps * heads,
+            HAS_DFINAL=grad_state is not None, BK=bk, BV=bv, **_flags(inputs),
         )  # fmt: skip
     group = heads // inputs.key_heads
     shape = (batch, steps, inputs.key_heads, group, inputs.head_dim)
