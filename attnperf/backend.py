@@ -167,6 +167,8 @@ class FusedBackend(Backend):
     linear_backward: Callable[..., tuple[Tensor | None, ...]]
 
     def run_linear(self, inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
+        if not inputs.needs_grad:  # a decoding step: autograd.Function.apply binds its
+            return self.linear_forward(inputs)  # arguments by signature (~80 us a call)
         tensors = (inputs.query, inputs.key, inputs.value, inputs.g, inputs.beta,
                    inputs.initial_state)  # fmt: skip
         return FusedLinearAttention.apply(

@@ -297,12 +297,12 @@ def new_scratch(head_dim, gate_dims):
 
 @njit(fastmath=FASTMATH)
 def new_updates(chunks, head_dim, value_dim):
-    """chunk_update's arrays for `chunks` chunks: kk, tm (chunks, C, C), x (chunks, C, K), z,
-    u (chunks, C, V); and m (1, C, C), used within one chunk's update."""
+    """chunk_update's arrays for `chunks` chunks: kk, tm (chunks, C, C), x (chunks, C, K), u
+    (chunks, C, V); and m (1, C, C), z (1, C, V), used within one chunk's update."""
     c, f = CHUNK, np.float32
     return (
         np.empty((chunks, c, c), f), np.zeros((1, c, c), f), np.empty((chunks, c, c), f),
-        np.empty((chunks, c, head_dim), f), np.empty((chunks, c, value_dim), f),
+        np.empty((chunks, c, head_dim), f), np.empty((1, c, value_dim), f),
         np.empty((chunks, c, value_dim), f),
     )  # fmt: skip
 
@@ -378,9 +378,8 @@ def backward_buffers(chunks, head_dim, value_dim, gate_dims, delta):
         np.empty((head_dim, value_dim), f), np.empty((c, value_dim), f), np.empty((c, c), f),
         np.empty((c, head_dim), f), np.empty((c, head_dim), f), np.empty((c, head_dim), f),
         np.empty((c, head_dim), f), np.empty((c, gate_dims), f), np.empty((c, gate_dims), f),
-        np.empty((c, gate_dims), f), np.empty((c, c), f), np.empty((c, head_dim), f),
-        np.empty((c, value_dim), f), np.empty((c, c), f), np.empty((c, c), f),
-        np.empty(head_dim, f), np.empty(head_dim, f),
+        np.empty((c, gate_dims), f), np.empty((c, head_dim), f), np.empty((c, value_dim), f),
+        np.empty((c, c), f), np.empty(head_dim, f), np.empty(head_dim, f),
     )  # fmt: skip
     return (
         np.empty((chunks, head_dim, value_dim), f), np.empty((head_dim, value_dim), f),
@@ -399,7 +398,7 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
     dq, dk, dv, dg, dbeta, dh0 = grads
     starts, state, scratch, updates, work = buffers
     kks, ms, tms, xs, zs, us = updates
-    ds, du, da, dqg, dkd, dqs, dk_c, dg_c, own, to_last, dt, dx, dz, tmp, dkk, row, decays = work
+    ds, du, da, dqg, dkd, dqs, dk_c, dg_c, own, to_last, dx, dz, dkk, row, decays = work
     heads, value_dim = v.shape[2], v.shape[3]
     head_dim, gate_dims = k.shape[3], g.shape[3]
     hk = hv // (heads // k.shape[2])
@@ -417,7 +416,7 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
         kept = c if delta else 0
         chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, False, scratch)
         chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kks[kept],
-                     ms[0], tms[kept], xs[kept], zs[kept], us[kept])  # fmt: skip
+                     ms[0], tms[kept], xs[kept], zs[0], us[kept])  # fmt: skip
         advance_state(state, e_in, rows, gated, kd, us[kept])
     if grad_final.shape[0] > 0:
         ds[:] = grad_final[n, hv]
@@ -429,7 +428,7 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
         s0 = starts[c]
         chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, True, scratch)
         if delta:
-            kk, tm, x, z, u = kks[c], tms[c], xs[c], zs[c], us[c]
+            kk, tm, x, u = kks[c], tms[c], xs[c], us[c]
         else:
             u = us[0]
             chunk_update(v, beta, slot, hv, t0, rows, gated, delta, s0, scratch, kks[0],
@@ -461,12 +460,10 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
         if delta:  # U = T Z, Z = diag(beta) v - X S0, T = (I + M)^-1, M = diag(beta) kk
             b_c = beta[slot, t0 : t0 + rows, hv]
             gemm(tm[:rows, :rows], du[:rows], dz[:rows], 1.0, 0.0, True, False)
-            gemm(du[:rows], z[:rows], dt[:rows, :rows], 1.0, 0.0, False, True)
             gemm(dz[:rows], s0, dx[:rows], -1.0, 0.0, False, True)
             gemm(x[:rows], dz[:rows], ds, -1.0, 1.0, True, False)
-            gemm(tm[:rows, :rows], dt[:rows, :rows], tmp[:rows, :rows], 1.0, 0.0, True, False)
-            gemm(tmp[:rows, :rows], tm[:rows, :rows], dkk[:rows, :rows], -1.0, 0.0, False,
-                 True)  # fmt: skip
+            # dM = -T^T (dU Z^T) T^T = -dZ U^T; its entries below the diagonal are read
+            gemm(dz[:rows], u[:rows], dkk[:rows, :rows], -1.0, 0.0, False, True)
             for i in range(rows):  # x = beta kg, kg = k exp(Gamma); z = beta v - x S0
                 b = b_c[i]
                 gate_row(e_in, i, decays)
