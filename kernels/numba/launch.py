@@ -51,9 +51,10 @@ def ask_huge_pages(address: int, size: int) -> None:
     transparent huge pages are "always" or "madvise").
 
     glibc maps each large allocation afresh (its mmap threshold rises to the size freed, and
-    an equal request is at it again), so a call's outputs faulted in page by page: 4 KiB
-    faults took 7% of numba's gated delta forward+backward (T = 2048, Qwen3-Next's heads) and
-    half of a decode step's time (B = 8, a new 16 MiB state), on the 2-core AMD EPYC.
+    an equal request is at it again), so a call's outputs fault in page by page. On the
+    2-core AMD EPYC, 4 KiB faults took 7% of the samples of numba's gated delta
+    forward+backward (T = 2048, Qwen3-Next's heads) and half of a decode step's (B = 8, a new
+    16 MiB state); with huge pages the forward+backward ran 3-10% faster in interleaved runs.
     """
     start = -(-address // HUGE_PAGE) * HUGE_PAGE
     end = (address + size) // HUGE_PAGE * HUGE_PAGE
