@@ -178,7 +178,9 @@ def serving_calls(quick: bool):
 
 def linear_calls(quick: bool):
     """(label, "linear", linear_attention arguments) to compile, forward and backward: the
-    kernels read fp32 (the launcher converts), so the head dims and gate kinds vary."""
+    kernels read fp32 (the launcher converts), so the head dims, gate kinds and rules vary
+    (gated delta, per-key-dim gates and ungated additive: the chunk kernels' variants and
+    the token-by-token ones)."""
     gen = torch.Generator().manual_seed(0)
     head_dims = (128,) if quick else (64, 128, 256)
     for head_dim in head_dims:
@@ -193,6 +195,7 @@ def linear_calls(quick: bool):
             yield f"K=V={head_dim} vector gate", "linear", {
                 "q": q, "k": k, "v": v, "g": -torch.rand(1, 100, 4, head_dim, generator=gen),
             }  # fmt: skip
+            yield f"K=V={head_dim} additive", "linear", {"q": q, "k": k, "v": v}
 
 
 def compile_serving_call(kind: str, call: dict) -> None:

@@ -433,6 +433,7 @@ def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Ten
             out, final, saved, inputs.sequences.to(device), inputs.scale, inputs.value_heads,
             inputs.key_heads, v.shape[1], inputs.head_dim, inputs.value_dim, chunks,
             HAS_H0=inputs.initial_state is not None, SAVE=save, BK=bk, BV=bv, **flags,
+            num_stages=1,  # not pipelined: its buffers, one per stage, outgrew shared memory
         )  # fmt: skip
     return out, final, saved
 
@@ -471,7 +472,7 @@ def triton_linear_backward(
             inputs.key_heads, steps, inputs.head_dim, inputs.value_dim,
             _chunks(inputs, chunk_steps), batch * steps * heads, HAS_GATE=inputs.g is not None,
             DELTA=inputs.beta is not None, HAS_DFINAL=grad_state is not None,
-            CHUNK_STEPS=chunk_steps, BK=bk, BV=bv,
+            CHUNK_STEPS=chunk_steps, BK=bk, BV=bv, num_stages=1,
         )  # fmt: skip
     elif dh0.numel():
         scratch = torch.empty((blocks, inputs.count * heads, CHUNK, bk, bv), device=device)
