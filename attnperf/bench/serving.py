@@ -37,7 +37,7 @@ class ServingConfig:
 
     decode_lengths: tuple[int, ...] = (1024, 4096, 16384, 65536)
     batches: tuple[int, ...] = (1, 4)
-    draft_tokens: int = 4  # --decode's speculative steps: query tokens per step (0: none)
+    draft_tokens: int = 4  # --decode's speculative steps: query tokens per step (0 or 1: none)
     sequences: int = 8  # --varlen: a packed batch of this many sequences
     shortest: int = 128
     longest: int = 4096
