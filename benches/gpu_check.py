@@ -308,34 +308,34 @@ def report(rows, dtype_name, head_dim, length, causal, pass_, timings, flops) ->
     print(f"{dtype_name} E={head_dim} L={length:5d} {mask:6s} {pass_:16s} " + " | ".join(cells))
 
 
-def linear_peers() -> dict:
-    """fla's chunk_gated_delta_rule and transformers' fallback (l2-normalised q and k), and
-    fla's chunk_simple_gla (scalar gates, the additive rule, no beta), where installed, as
-    fn(q, k, v, g, beta) -> out."""
-    peers = {}
+def linear_contenders() -> dict[str, dict]:
+    """Per rule, fn(q, k, v, g, beta) -> out: triton and its peers where installed. The gated
+    delta rule (l2-normalised q and k) against fla's chunk_gated_delta_rule and transformers'
+    fallback; simple GLA (scalar gates, the additive rule, no beta) against fla's
+    chunk_simple_gla."""
+    gated_delta = {"triton": lambda q, k, v, g, beta: attnperf.linear_attention(
+        q, k, v, g=g, beta=beta, use_qk_l2norm=True, backend="triton")[0]}  # fmt: skip
+    simple_gla = {"triton": lambda q, k, v, g, beta: attnperf.linear_attention(
+        q, k, v, g=g, backend="triton")[0]}  # fmt: skip
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        peers["fla"] = lambda q, k, v, g, beta: chunk_gated_delta_rule(
-            q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
-    except ImportError:
-        print("  fla not installed: no fla row", file=sys.stderr)
-    try:
         from fla.ops.simple_gla import chunk_simple_gla
 
-        peers["fla simple gla"] = lambda q, k, v, g, beta: chunk_simple_gla(q, k, v, g)[0]
+        gated_delta["fla"] = lambda q, k, v, g, beta: chunk_gated_delta_rule(
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
+        simple_gla["fla"] = lambda q, k, v, g, beta: chunk_simple_gla(q, k, v, g)[0]
     except ImportError:
-        print("  fla not installed: no fla simple gla row", file=sys.stderr)
+        print("  fla not installed: no fla rows", file=sys.stderr)
     try:
         from transformers.models.qwen3_next.modeling_qwen3_next import (
             torch_chunk_gated_delta_rule,
         )
 
-        peers["transformers"] = lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(
+        gated_delta["transformers"] = lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(
             q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
     except ImportError:
         print("  transformers not installed: no transformers row", file=sys.stderr)
-    return peers
+    return {"fp32-gated-delta": gated_delta, "fp32-simple-gla": simple_gla}
 
 
 def benchmark_linear(device: str, tiny: bool, rows: list[dict]) -> int:
@@ -366,24 +366,18 @@ def benchmark_linear(device: str, tiny: bool, rows: list[dict]) -> int:
     except AssertionError as error:
         failures += 1
         print(f"FAIL linear attention: {str(error)[:500]}")
-    peers = linear_peers()
-    simple = peers.pop("fla simple gla", None)
+    contenders = linear_contenders()
     for steps in (32,) if tiny else (4096, 16384):
         q, k, v, g, beta = inputs(steps)
-        gated_delta = {"triton": lambda q, k, v, g, beta: attnperf.linear_attention(
-            q, k, v, g=g, beta=beta, use_qk_l2norm=True, backend="triton")[0]} | peers  # fmt: skip
-        simple_gla = {"triton": lambda q, k, v, g, beta: attnperf.linear_attention(
-            q, k, v, g=g, backend="triton")[0]}  # fmt: skip
-        if simple is not None:
-            simple_gla["fla"] = simple
         flops = 2 * steps * heads * (2 * dim * dim + 64 * 2 * dim)
         # simple GLA: q and k at every value head (fla's simple_gla has no grouped heads)
         wide = [t.repeat_interleave(heads // key_heads, 2) for t in (q, k)]
-        for label, contenders, (q_in, k_in) in (("fp32-gated-delta", gated_delta, (q, k)),
-                                                ("fp32-simple-gla", simple_gla, wide)):  # fmt: skip
+        keys = {"fp32-gated-delta": (q, k), "fp32-simple-gla": wide}
+        for label, fns in contenders.items():
+            q_in, k_in = keys[label]
             for pass_ in ("forward", "forward+backward"):
                 timings = {}
-                for name, fn in contenders.items():
+                for name, fn in fns.items():
                     leaves = [t.detach().requires_grad_(pass_ != "forward") for t in (g, beta)]
                     timings[name] = measure(
                         lambda q, k, v, _, fn=fn, leaves=leaves: fn(q, k, v, *leaves),

@@ -66,12 +66,13 @@ def state_slice(pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim,
 
 
 @jit
-def initial_slice(H0, n, hv, heads, head_dim, value_dim, tile, mask, HAS_H0: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
-    """(the offset of state (n, hv) in a (N, HV, K, V) state, its slice of h0, or zeros)."""
+def state_tile(States, n, hv, heads, head_dim, value_dim, tile, mask, PRESENT: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """(the offset of state (n, hv) in a (N, HV, K, V) tensor, this program's slice of it in
+    States, or zeros where the call has no such tensor: h0, or the final state's gradient)."""
     state = (n * heads + hv).to(tl.int64) * head_dim * value_dim
-    if HAS_H0:
-        return state, tl.load(H0 + state + tile, mask=mask, other=0.0)
+    if PRESENT:
+        return state, tl.load(States + state + tile, mask=mask, other=0.0)
     return state, tl.zeros((BK, BV), dtype=tl.float32)
 
 
@@ -89,7 +90,7 @@ def linear_forward_kernel(
     n, hv, hk, slot, start, length, offs_k, offs_v, mask_k, mask_v, tile, mask = state_slice(
         pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim, BK, BV
     )
-    state, S = initial_slice(H0, n, hv, heads, head_dim, value_dim, tile, mask, HAS_H0, BK, BV)
+    state, S = state_tile(H0, n, hv, heads, head_dim, value_dim, tile, mask, HAS_H0, BK, BV)
     for i in range(0, length):
         if SAVE:  # noqa: SIM102 (a constexpr, then a value: triton compiles them apart)
             if i % CHUNK_STEPS == 0:
@@ -123,12 +124,10 @@ def linear_backward_kernel(
     )
     local = offs_k[:, None] * BV + tl.arange(0, BV)[None, :]
     scratch = (pid_v * count * heads + pid).to(tl.int64) * CHUNK_STEPS * BK * BV
-    state = (n * heads + hv).to(tl.int64) * head_dim * value_dim
+    state, dS = state_tile(DFinal, n, hv, heads, head_dim, value_dim, tile, mask, HAS_DFINAL,
+                           BK, BV)  # fmt: skip
     block = pid_v.to(tl.int64) * rows_per_block  # B * T * HV rows of partials per block
     gate_dims = head_dim if VECTOR_GATE else 1
-    dS = tl.zeros((BK, BV), dtype=tl.float32)
-    if HAS_DFINAL:
-        dS = tl.load(DFinal + state + tile, mask=mask, other=0.0)
     for back in range(0, (length + CHUNK_STEPS - 1) // CHUNK_STEPS):
         c = (length + CHUNK_STEPS - 1) // CHUNK_STEPS - 1 - back
         rows = tl.minimum(CHUNK_STEPS, length - c * CHUNK_STEPS)
@@ -254,7 +253,7 @@ def linear_chunk_kernel(
     n, hv, hk, slot, start, length, offs_k, offs_v, mask_k, mask_v, tile, mask = state_slice(
         pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim, BK, BV
     )
-    state, S = initial_slice(H0, n, hv, heads, head_dim, value_dim, tile, mask, HAS_H0, BK, BV)
+    state, S = state_tile(H0, n, hv, heads, head_dim, value_dim, tile, mask, HAS_H0, BK, BV)
     for c in range(0, tl.cdiv(length, CHUNK_STEPS)):
         if SAVE:
             saved = ((n * heads + hv).to(tl.int64) * chunks + c) * head_dim
@@ -291,14 +290,12 @@ def linear_chunk_backward_kernel(
     n, hv, hk, slot, start, length, offs_k, offs_v, mask_k, mask_v, tile, mask = state_slice(
         pid_v, pid, Sequences, heads, key_heads, head_dim, value_dim, BK, BV
     )
-    state = (n * heads + hv).to(tl.int64) * head_dim * value_dim
+    state, dS = state_tile(DFinal, n, hv, heads, head_dim, value_dim, tile, mask, HAS_DFINAL,
+                           BK, BV)  # fmt: skip
     block = pid_v.to(tl.int64) * rows_per_block  # B * T * HV rows of partials per block
     offs_c = tl.arange(0, CHUNK_STEPS)
     strict = offs_c[:, None] > offs_c[None, :]
     from_s = tl.where(offs_c[None, :] >= offs_c[:, None], 1.0, 0.0)  # [s, i]: i >= s
-    dS = tl.zeros((BK, BV), dtype=tl.float32)
-    if HAS_DFINAL:
-        dS = tl.load(DFinal + state + tile, mask=mask, other=0.0)
     count = tl.cdiv(length, CHUNK_STEPS)
     for back in range(0, count):
         c = count - 1 - back
@@ -387,29 +384,23 @@ def _normalised(inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
     return q.contiguous(), k.contiguous()
 
 
-def _flags(inputs: LinearAttentionInputs) -> dict:
-    return {"HAS_GATE": inputs.g is not None, "VECTOR_GATE": inputs.gate == "vector",
-            "DELTA": inputs.beta is not None, "CHUNK_STEPS": CHUNK}  # fmt: skip
-
-
-def _longest(inputs: LinearAttentionInputs) -> int:
-    return int(inputs.sequences[:, 2].max()) if inputs.count else 0
-
-
-def _chunks(inputs: LinearAttentionInputs, steps: int) -> int:
-    return max(triton.cdiv(_longest(inputs), steps), 1)
-
-
-def _plan(inputs: LinearAttentionInputs, save: bool) -> tuple[bool, int]:
-    """(chunked, steps per chunk). The chunked kernels serve scalar or no gates past a few
-    steps, or where a backward follows; their chunk shrinks as the head dim grows, so that
-    the backward's tiles fit in shared memory (64 / 32 / 16 steps at K <= 64 / 128 / 256;
-    benches/triton_compile_check.py checks them against sm_80's 163 KiB per block). Else
-    token by token, the state stored every CHUNK steps."""
-    if inputs.gate == "vector" or not (save or _longest(inputs) > RECURRENT_MAX_STEPS):
-        return False, CHUNK
+def _plan(inputs: LinearAttentionInputs, save: bool) -> tuple[bool, int, dict]:
+    """(chunked, chunks of the longest sequence, the kernels' flags). The chunked kernels
+    serve scalar or no gates past a few steps, or where a backward follows; their chunk
+    shrinks as the head dim grows, so that the backward's tiles fit in shared memory (64 /
+    32 / 16 steps at K <= 64 / 128 / 256), and they are not software-pipelined (the buffers
+    of its stages took the additive backward past it); benches/triton_compile_check.py
+    checks them against sm_80's 163 KiB per block. Else token by token, the state stored
+    every CHUNK steps."""
+    longest = int(inputs.sequences[:, 2].max()) if inputs.count else 0
+    flags = {"HAS_GATE": inputs.g is not None, "DELTA": inputs.beta is not None}
+    if inputs.gate == "vector" or not (save or longest > RECURRENT_MAX_STEPS):
+        flags |= {"VECTOR_GATE": inputs.gate == "vector", "CHUNK_STEPS": CHUNK}
+        return False, max(triton.cdiv(longest, CHUNK), 1), flags
     bk = _blocks(inputs)[0]
-    return True, 64 if bk <= 64 else 32 if bk <= 128 else 16
+    steps = 64 if bk <= 64 else 32 if bk <= 128 else 16
+    flags |= {"CHUNK_STEPS": steps, "num_stages": 1}
+    return True, max(triton.cdiv(longest, steps), 1), flags
 
 
 def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -418,22 +409,17 @@ def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Ten
     device = v.device
     out = torch.zeros(v.shape, dtype=torch.float32, device=device)
     final = torch.zeros(inputs.state_shape, dtype=torch.float32, device=device)
-    chunked, chunk_steps = _plan(inputs, save)
-    chunks = _chunks(inputs, chunk_steps)
+    chunked, chunks, flags = _plan(inputs, save)
     saved = torch.empty((*inputs.state_shape[:2], chunks, *inputs.state_shape[2:]) if save
                         else (1,), dtype=torch.float32, device=device)  # fmt: skip
     bk, bv, blocks = _blocks(inputs)
-    flags = _flags(inputs) | {"CHUNK_STEPS": chunk_steps}
     kernel = linear_chunk_kernel if chunked else linear_forward_kernel
-    if chunked:
-        del flags["VECTOR_GATE"]
     if final.numel():
         kernel[(blocks, inputs.count * inputs.value_heads)](
             q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), _fp32(inputs.initial_state, v),
             out, final, saved, inputs.sequences.to(device), inputs.scale, inputs.value_heads,
             inputs.key_heads, v.shape[1], inputs.head_dim, inputs.value_dim, chunks,
             HAS_H0=inputs.initial_state is not None, SAVE=save, BK=bk, BV=bv, **flags,
-            num_stages=1,  # not pipelined: its buffers, one per stage, outgrew shared memory
         )  # fmt: skip
     return out, final, saved
 
@@ -464,24 +450,22 @@ def triton_linear_backward(
     dv = torch.zeros(v.shape, device=device)
     dh0 = torch.zeros(inputs.state_shape, device=device)
     do = torch.zeros(v.shape, device=device) if grad_out is None else _fp32(grad_out, v)
-    chunked, chunk_steps = _plan(inputs, save=True)
+    chunked, chunks, flags = _plan(inputs, save=True)
     if dh0.numel() and chunked:
         linear_chunk_backward_kernel[(blocks, inputs.count * heads)](
             q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), do, _fp32(grad_state, v), saved,
             dq, dk, dv, dg, dbeta, dh0, inputs.sequences.to(device), inputs.scale, heads,
-            inputs.key_heads, steps, inputs.head_dim, inputs.value_dim,
-            _chunks(inputs, chunk_steps), batch * steps * heads, HAS_GATE=inputs.g is not None,
-            DELTA=inputs.beta is not None, HAS_DFINAL=grad_state is not None,
-            CHUNK_STEPS=chunk_steps, BK=bk, BV=bv, num_stages=1,
+            inputs.key_heads, steps, inputs.head_dim, inputs.value_dim, chunks,
+            batch * steps * heads, HAS_DFINAL=grad_state is not None, BK=bk, BV=bv, **flags,
         )  # fmt: skip
     elif dh0.numel():
         scratch = torch.empty((blocks, inputs.count * heads, CHUNK, bk, bv), device=device)
         linear_backward_kernel[(blocks, inputs.count * heads)](
             q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), do, _fp32(grad_state, v), saved,
             scratch, dq, dk, dv, dg, dbeta, dh0, inputs.sequences.to(device), inputs.scale,
-            heads, inputs.key_heads, steps, inputs.head_dim, inputs.value_dim,
-            _chunks(inputs, CHUNK), inputs.count, batch * steps * heads,
-            HAS_DFINAL=grad_state is not None, BK=bk, BV=bv, **_flags(inputs),
+            heads, inputs.key_heads, steps, inputs.head_dim, inputs.value_dim, chunks,
+            inputs.count, batch * steps * heads, HAS_DFINAL=grad_state is not None, BK=bk,
+            BV=bv, **flags,
         )  # fmt: skip
     group = heads // inputs.key_heads
     shape = (batch, steps, inputs.key_heads, group, inputs.head_dim)
