@@ -160,20 +160,20 @@ class FusedBackend(Backend):
     forward: Callable[[AttentionInputs], tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor | None, ...]]
     kvcache_forward: Callable[[KVCacheInputs], tuple[Tensor, Tensor]]
-    # linear_forward(inputs) -> (out (B, T, HV, V), final state (N, HV, K, V) float32);
-    # linear_backward(inputs, grad_out, grad_state or None) -> (dq, dk, dv, dg, dbeta, dstate),
-    # None where the call has no such input.
-    linear_forward: Callable[[LinearAttentionInputs], tuple[Tensor, Tensor]]
+    # linear_forward(inputs, backward) -> (out (B, T, HV, V), final state (N, HV, K, V)
+    # float32, kept: a tuple of tensors for the backward when one follows, () when it keeps
+    # nothing); linear_backward(inputs, kept, grad_out, grad_state or None) -> (dq, dk, dv,
+    # dg, dbeta, dstate), None where the call has no such input.
+    linear_forward: Callable[[LinearAttentionInputs, bool], tuple[Tensor, Tensor, tuple]]
     linear_backward: Callable[..., tuple[Tensor | None, ...]]
 
     def run_linear(self, inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
         if not inputs.needs_grad:  # a decoding step: autograd.Function.apply binds its
-            return self.linear_forward(inputs)  # arguments by signature (~80 us a call)
+            return self.linear_forward(inputs, False)[:2]  # arguments by signature (~80 us)
         tensors = (inputs.query, inputs.key, inputs.value, inputs.g, inputs.beta,
                    inputs.initial_state)  # fmt: skip
-        return FusedLinearAttention.apply(
-            (self.linear_forward, self.linear_backward), inputs, *tensors
-        )
+        launchers = (self.linear_forward, self.linear_backward)
+        return FusedLinearAttention.apply(launchers, inputs, *tensors)[:2]
 
     def run_kvcache(self, inputs: KVCacheInputs) -> tuple[Tensor, Tensor | None]:
         out, stats = self.kvcache_forward(inputs)
@@ -254,28 +254,32 @@ class FusedAttention(torch.autograd.Function):
 
 
 class FusedLinearAttention(torch.autograd.Function):
-    """Autograd over a fused linear-attention kernel's two launchers: (out, final_state) from
-    apply((forward, backward), inputs, q, k, v, g, beta, initial_state); both outputs are
-    differentiable. Saves the inputs only: the backward recomputes the chunk states."""
+    """Autograd over a fused linear-attention kernel's two launchers: (out, final_state,
+    *kept) from apply((forward, backward), inputs, q, k, v, g, beta, initial_state); out and
+    final_state are differentiable, kept (what the forward kept of its chunks for the
+    backward, if anything) is not. Saves the inputs and kept."""
 
     @staticmethod
     def forward(launchers, inputs: LinearAttentionInputs, q, k, v, g, beta, initial_state):
-        return launchers[0](inputs)
+        out, final, kept = launchers[0](inputs, True)  # (grad mode is off in here)
+        return out, final, *kept
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         launchers, call, *tensors = inputs
         ctx.launch_backward, ctx.call = launchers[1], call
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(*tensors, *output[2:])
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.set_materialize_grads(False)  # not kept's zero gradients; the launchers take None
 
     @staticmethod
-    def backward(ctx, grad_out, grad_state):
-        q, k, v, g, beta, initial_state = ctx.saved_tensors  # checks in-place edits
+    def backward(ctx, grad_out, grad_state, *_grad_kept):
+        q, k, v, g, beta, initial_state, *kept = ctx.saved_tensors  # checks in-place edits
         inputs = replace(ctx.call, query=q, key=k, value=v, g=g, beta=beta,
                          initial_state=initial_state)  # fmt: skip
         with torch.no_grad():
-            grads = ctx.launch_backward(inputs, grad_out, grad_state)
-        saved = (grad_out, grad_state, *ctx.saved_tensors)
+            grads = ctx.launch_backward(inputs, tuple(kept), grad_out, grad_state)
+        saved = (grad_out, grad_state, q, k, v, g, beta, initial_state)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in saved):
             grads = _refuse_double_backward(grads)
         return None, None, *grads

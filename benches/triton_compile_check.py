@@ -210,8 +210,9 @@ def compile_serving_call(kind: str, call: dict) -> None:
 
     if kind == "linear":
         inputs = prepare_linear(**call)
-        out, state = triton_linear_forward(inputs)
-        triton_linear_backward(inputs, torch.ones_like(out), torch.ones_like(state))
+        triton_linear_forward(inputs, False)  # inference: the forward keeps nothing
+        out, state, kept = triton_linear_forward(inputs, True)
+        triton_linear_backward(inputs, kept, torch.ones_like(out), torch.ones_like(state))
     elif kind == "varlen":
         inputs = prepare_varlen(**call)
         out, stats = triton_attention_forward(inputs)

@@ -3,6 +3,7 @@ outputs, the final state and the gradients of every input, by the relative RMS r
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -181,6 +182,36 @@ def test_forward_agrees(backend, case):
 
 @pytest.mark.parametrize("backend, case", grid([name for name in CASES if name != "short"]))
 def test_gradients_agree(backend, case):
+    check(backend, case, backward=True)
+
+
+# Fused backends keep each chunk's start state (and WY results) from the forward for the
+# backward, within a memory budget; past it the backward recomputes them.
+FUSED = [name for name in BACKENDS if hasattr(dispatch.registry()[name], "linear_forward")]
+
+
+def kept_budget(backend: str, monkeypatch, budget: int) -> None:
+    """Sets the backend's launcher module's KEPT_MAX_BYTES for this test."""
+    module = sys.modules[dispatch.registry()[backend].linear_forward.__module__]
+    monkeypatch.setattr(module, "KEPT_MAX_BYTES", budget)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_forward_keeps_its_chunks_for_the_backward_within_its_budget(backend, monkeypatch):
+    call = make(Case(steps=20, gate="scalar", delta=True, initial_state=True))
+    inputs = attnperf.linear_inputs.prepare_linear(**call["tensors"], **call["keywords"])
+    launch = dispatch.registry()[backend].linear_forward
+    assert launch(inputs, False)[2] == ()
+    assert launch(inputs, True)[2], "nothing kept within the budget"
+    kept_budget(backend, monkeypatch, 0)
+    assert launch(inputs, True)[2] == ()
+
+
+@pytest.mark.parametrize(
+    "backend, case", [p for p in grid(["gated_delta", "additive"]) if p.values[0] in FUSED]
+)
+def test_gradients_agree_when_the_backward_recomputes_the_chunks(backend, case, monkeypatch):
+    kept_budget(backend, monkeypatch, 0)
     check(backend, case, backward=True)
 
 

@@ -15,8 +15,9 @@ S0 and S1 are the state before and after the chunk. Every exponential is of a no
 difference (gates <= 0), so strong decay underflows to 0 and never overflows. The products
 are BLAS tiles. The forward's items are (sequence, value head); the backward's are
 (sequence, key head), its value heads one after another so that their dq and dk add up in
-place: a first pass over the chunks keeps each one's S0 and WY results, a second walks them
-in reverse (reverse-mode of the lines above).
+place. It takes each chunk's S0 and WY results as the forward kept them, or recomputes them
+in a first pass over the chunks, and walks the chunks in reverse (reverse-mode of the lines
+above).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs
 
 # Steps per chunk: the intra-chunk work (C^2 (K + V) per chunk) against the state's (C K V).
 CHUNK = 64
+# The forward keeps each chunk's start state (and the delta rule's WY results) for the
+# backward when they take at most this many bytes per call (T x HV x 2.5 KiB at K = V = 128
+# with the delta rule: 160 MiB at T = 2048, HV = 32); beyond, the backward recomputes them:
+# a forward pass of products, ~23% of the backward's time (T = 2048, the AMD EPYC). Every
+# layer of a model being trained holds its call's until the backward: 0 always recomputes,
+# as fla does.
+KEPT_MAX_BYTES = 512 << 20
 # Sequences up to this many steps run the per-token kernel when no gradient is needed:
 # decoding and speculative steps (the chunked form's fixed costs dominate short sequences).
 RECURRENT_MAX_STEPS = 16
@@ -296,22 +304,36 @@ def new_scratch(head_dim, gate_dims):
 
 
 @njit(fastmath=FASTMATH)
-def new_updates(chunks, head_dim, value_dim):
-    """chunk_update's arrays for `chunks` chunks: kk, tm (chunks, C, C), x (chunks, C, K), u
-    (chunks, C, V); and m (1, C, C), z (1, C, V), used within one chunk's update."""
+def new_kept(heads, chunks, head_dim, value_dim, delta):
+    """What the backward takes of each chunk, (heads, chunks, ...): its start state S0 (K,
+    V), and the delta rule's chunk_update results kk, tm (C, C), x (C, K), u (C, V) (no
+    chunks of these for the additive rule, whose u is v)."""
+    c, f = CHUNK, np.float32
+    wy = chunks if delta else 0
+    return (
+        np.empty((heads, chunks, head_dim, value_dim), f), np.empty((heads, wy, c, c), f),
+        np.empty((heads, wy, c, c), f), np.empty((heads, wy, c, head_dim), f),
+        np.empty((heads, wy, c, value_dim), f),
+    )  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def new_update(head_dim, value_dim):
+    """chunk_update's arrays for one chunk: kk, m, tm (C, C), x (C, K), z, u (C, V)."""
     c, f = CHUNK, np.float32
     return (
-        np.empty((chunks, c, c), f), np.zeros((1, c, c), f), np.empty((chunks, c, c), f),
-        np.empty((chunks, c, head_dim), f), np.empty((1, c, value_dim), f),
-        np.empty((chunks, c, value_dim), f),
+        np.empty((c, c), f), np.zeros((c, c), f), np.empty((c, c), f),
+        np.empty((c, head_dim), f), np.empty((c, value_dim), f), np.empty((c, value_dim), f),
     )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- kernels
 @njit(parallel=True, fastmath=FASTMATH)
 def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
-                           final):  # fmt: skip
-    """out (B, T, HV, V) and final (N, HV, K, V) by chunks; h0 (N, HV, K, V) or empty."""
+                           final, kept, firsts):  # fmt: skip
+    """out (B, T, HV, V) and final (N, HV, K, V) by chunks; h0 (N, HV, K, V) or empty. With
+    `kept` (new_kept's arrays over every sequence's chunks, sequence n's from firsts[n]; no
+    chunks: nothing kept), what the backward takes of each chunk."""
     heads, value_dim = v.shape[2], v.shape[3]
     group = heads // k.shape[2]
     head_dim = k.shape[3]
@@ -325,10 +347,15 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
             state[:] = 0.0
         scratch = new_scratch(head_dim, g.shape[3])
         _, e_in, _, _, _, _, _, a, qg, kd = scratch
-        kks, ms, tms, xs, zs, us = new_updates(1, head_dim, value_dim)
-        kk, m, tm, x, z, u = kks[0], ms[0], tms[0], xs[0], zs[0], us[0]
-        for t0 in range(start, start + length, CHUNK):
+        kk, m, tm, x, z, u = new_update(head_dim, value_dim)
+        starts, kks, tms, xs, us = kept
+        for c, t0 in enumerate(range(start, start + length, CHUNK)):
             rows = min(CHUNK, start + length - t0)
+            if starts.shape[1] > 0:
+                starts[hv, firsts[n] + c] = state
+            if kks.shape[1] > 0:
+                chunk = firsts[n] + c
+                kk, tm, x, u = kks[hv, chunk], tms[hv, chunk], xs[hv, chunk], us[hv, chunk]
             chunk_inputs(q, k, g, scale, l2norm, slot, hv, hv // group, t0, rows, gated, True,
                          scratch)  # fmt: skip
             chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm,
@@ -341,9 +368,11 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
 
 @njit(parallel=True, fastmath=FASTMATH)
 def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
-                            grad_out, grad_final, dq, dk, dv, dg, dbeta, dh0, threads):  # fmt: skip
+                            grad_out, grad_final, kept, firsts, dq, dk, dv, dg, dbeta, dh0,
+                            threads):  # fmt: skip
     """Gradients by chunks in reverse: dq, dk (B, T, H, K), dv, dg (B, T, HV, gate dims),
-    dbeta (B, T, HV), dh0 (N, HV, K, V); grad_final empty when none.
+    dbeta (B, T, HV), dh0 (N, HV, K, V); grad_final empty when none; `kept` and firsts as
+    the forward wrote them, or kept without chunks: recomputed here.
 
     An item is a (sequence, key head): its value heads one after the other, so that their
     dq and dk add up in place. Each thread takes every `workers`-th item, with buffers of its
@@ -358,21 +387,23 @@ def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gate
         longest = max(longest, sequences[n, 2])
     most = (longest + CHUNK - 1) // CHUNK
     grads = (dq, dk, dv, dg, dbeta, dh0)
+    recompute = kept[0].shape[1] == 0
     for worker in prange(workers):
-        buffers = backward_buffers(most, head_dim, value_dim, gate_dims, delta)
+        buffers = backward_buffers(most if recompute else 0, head_dim, value_dim, gate_dims,
+                                   delta)  # fmt: skip
         for item in range(worker, items, workers):
             n, hk = np.int64(item) // key_heads, np.int64(item) % key_heads
             for hv in range(hk * group, (hk + 1) * group):
                 backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
-                              grad_out, grad_final, grads, n, hv, hv > hk * group,
-                              buffers)  # fmt: skip
+                              grad_out, grad_final, kept, firsts[n], grads, n, hv,
+                              hv > hk * group, buffers)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
 def backward_buffers(chunks, head_dim, value_dim, gate_dims, delta):
-    """One thread's arrays for backward_item: each chunk's start state (chunks, K, V), the
-    running state, chunk_inputs' scratch, the first pass's chunk_update results, and the
-    second pass's gradients of one chunk (see backward_item)."""
+    """One thread's arrays for backward_item: what it keeps of each chunk when it recomputes
+    them (new_kept, one head of `chunks`), the running state, chunk_inputs' scratch,
+    chunk_update's arrays, and the second pass's gradients of one chunk."""
     c, f = CHUNK, np.float32
     work = (
         np.empty((head_dim, value_dim), f), np.empty((c, value_dim), f), np.empty((c, c), f),
@@ -382,22 +413,22 @@ def backward_buffers(chunks, head_dim, value_dim, gate_dims, delta):
         np.empty((c, c), f), np.empty(head_dim, f), np.empty(head_dim, f),
     )  # fmt: skip
     return (
-        np.empty((chunks, head_dim, value_dim), f), np.empty((head_dim, value_dim), f),
-        new_scratch(head_dim, gate_dims), new_updates(chunks if delta else 1, head_dim, value_dim),
-        work,
+        new_kept(1, chunks, head_dim, value_dim, delta), np.empty((head_dim, value_dim), f),
+        new_scratch(head_dim, gate_dims), new_update(head_dim, value_dim), work,
     )  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
 def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, grad_out,
-                  grad_final, grads, n, hv, accumulate, buffers):  # fmt: skip
-    """Sequence n, value head hv of linear_backward_chunked, in its thread's buffers: a first
-    pass over the chunks for their start states (and WY results), then the chunks in
-    reverse, dS carried from the last to the first. dq and dk are written, or added to with
-    `accumulate` (the key head's other value heads)."""
+                  grad_final, kept, first, grads, n, hv, accumulate, buffers):  # fmt: skip
+    """Sequence n, value head hv of linear_backward_chunked, in its thread's buffers: the
+    chunks' start states (and WY results) from `kept` (its chunks from `first`), or when it
+    has none, from a first pass over the chunks; then the chunks in reverse, dS carried from
+    the last to the first. dq and dk are written, or added to with `accumulate` (the key
+    head's other value heads)."""
     dq, dk, dv, dg, dbeta, dh0 = grads
-    starts, state, scratch, updates, work = buffers
-    kks, ms, tms, xs, zs, us = updates
+    own_kept, state, scratch, update, work = buffers
+    kk, m, tm, x, z, u = update
     ds, du, da, dqg, dkd, dqs, dk_c, dg_c, own, to_last, dx, dz, dkk, row, decays = work
     heads, value_dim = v.shape[2], v.shape[3]
     head_dim, gate_dims = k.shape[3], g.shape[3]
@@ -405,19 +436,29 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
     slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
     chunks = (length + CHUNK - 1) // CHUNK
     gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, qg, kd = scratch
-    if h0.shape[0] > 0:
-        state[:] = h0[n, hv]
-    else:
-        state[:] = 0.0
-    for c in range(chunks):
-        t0 = start + c * CHUNK
-        rows = min(CHUNK, start + length - t0)
-        starts[c] = state
-        kept = c if delta else 0
-        chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, False, scratch)
-        chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kks[kept],
-                     ms[0], tms[kept], xs[kept], zs[0], us[kept])  # fmt: skip
-        advance_state(state, e_in, rows, gated, kd, us[kept])
+    recompute = kept[0].shape[1] == 0  # the forward kept nothing: into own_kept, here
+    head = 0 if recompute else hv
+    if recompute:
+        kept, first = own_kept, 0
+    starts, kks, tms, xs, us = kept
+    last = first + chunks
+    starts, kks, tms = starts[head, first:last], kks[head, first:last], tms[head, first:last]
+    xs, us = xs[head, first:last], us[head, first:last]
+    if recompute:
+        if h0.shape[0] > 0:
+            state[:] = h0[n, hv]
+        else:
+            state[:] = 0.0
+        for c in range(chunks):
+            t0 = start + c * CHUNK
+            rows = min(CHUNK, start + length - t0)
+            starts[c] = state
+            if delta:
+                kk, tm, x, u = kks[c], tms[c], xs[c], us[c]
+            chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, False, scratch)
+            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm,
+                         x, z, u)  # fmt: skip
+            advance_state(state, e_in, rows, gated, kd, u)
     if grad_final.shape[0] > 0:
         ds[:] = grad_final[n, hv]
     else:
@@ -430,9 +471,8 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
         if delta:
             kk, tm, x, u = kks[c], tms[c], xs[c], us[c]
         else:
-            u = us[0]
-            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, s0, scratch, kks[0],
-                         ms[0], tms[0], xs[0], zs[0], u)  # fmt: skip
+            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, s0, scratch, kk, m, tm, x,
+                         z, u)  # fmt: skip
         k_c = kc[:rows]
         do = grad_out[slot, t0 : t0 + rows, hv]
         dqs[:rows] = 0.0
@@ -593,28 +633,62 @@ def _arrays(inputs: LinearAttentionInputs) -> tuple:
     )  # fmt: skip
 
 
-def numba_linear_forward(inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
-    """(out (B, T, HV, V) in the call's dtype, final state (N, HV, K, V) float32): the
-    per-token kernel for short sequences without gradients, else the chunked one."""
+def chunk_firsts(inputs: LinearAttentionInputs) -> tuple[np.ndarray, int]:
+    """(each sequence's first chunk in new_kept's arrays (N,) int64, the chunks of all)."""
+    lengths = inputs.sequences.numpy()[:, 2].astype(np.int64)
+    chunks = (lengths + CHUNK - 1) // CHUNK
+    return np.concatenate(([0], np.cumsum(chunks)[:-1])).astype(np.int64), int(chunks.sum())
+
+
+def kept_bytes(inputs: LinearAttentionInputs, chunks: int) -> int:
+    """Bytes of new_kept's arrays for `chunks` chunks of the call's value heads."""
+    k, v, c = inputs.head_dim, inputs.value_dim, CHUNK
+    wy = 2 * c * c + c * (k + v) if inputs.beta is not None else 0
+    return 4 * inputs.value_heads * chunks * (k * v + wy)
+
+
+def _kept(inputs: LinearAttentionInputs, chunks: int) -> tuple[tuple[Tensor, ...], tuple]:
+    """new_kept's arrays for `chunks` chunks (none: nothing kept), as tensors and arrays."""
+    heads, k, v, c = inputs.value_heads, inputs.head_dim, inputs.value_dim, CHUNK
+    wy = chunks if inputs.beta is not None else 0
+    shapes = ((heads, chunks, k, v), (heads, wy, c, c), (heads, wy, c, c), (heads, wy, c, k),
+              (heads, wy, c, v))  # fmt: skip
+    pairs = [float32_array(shape) for shape in shapes]
+    return tuple(tensor for tensor, _ in pairs), tuple(array for _, array in pairs)
+
+
+def numba_linear_forward(
+    inputs: LinearAttentionInputs, backward: bool
+) -> tuple[Tensor, Tensor, tuple]:
+    """(out (B, T, HV, V) in the call's dtype, final state (N, HV, K, V) float32, what the
+    backward takes: each chunk's start state and WY results, when a `backward` follows and
+    they fit in KEPT_MAX_BYTES, else ()): the per-token kernel for short sequences without
+    a backward, else the chunked one."""
     runs = math.prod(inputs.state_shape) > 0  # else nothing to compute: zeros
     # The kernels write every row of the output and the state (the sequences cover T).
     out, out_array = float32_array(inputs.value.shape, zero=not runs)
     final, final_array = float32_array(inputs.state_shape, zero=not runs)
     longest = int(inputs.sequences.numpy()[:, 2].max()) if inputs.count else 0
-    recurrent = longest <= RECURRENT_MAX_STEPS and not inputs.needs_grad
-    kernel = linear_forward_recurrent if recurrent else linear_forward_chunked
-    if runs:
-        run_parallel(kernel, *_arrays(inputs), np.float32(inputs.scale), inputs.l2norm,
-                     inputs.g is not None, inputs.beta is not None, out_array,
+    recurrent = longest <= RECURRENT_MAX_STEPS and not backward
+    firsts, chunks = chunk_firsts(inputs)
+    keep = runs and backward and kept_bytes(inputs, chunks) <= KEPT_MAX_BYTES
+    kept, kept_arrays = _kept(inputs, chunks if keep else 0)
+    if runs and recurrent:
+        run_parallel(linear_forward_recurrent, *_arrays(inputs), np.float32(inputs.scale),
+                     inputs.l2norm, inputs.g is not None, inputs.beta is not None, out_array,
                      final_array)  # fmt: skip
-    return out.to(inputs.dtype), final
+    elif runs:
+        run_parallel(linear_forward_chunked, *_arrays(inputs), np.float32(inputs.scale),
+                     inputs.l2norm, inputs.g is not None, inputs.beta is not None, out_array,
+                     final_array, kept_arrays, firsts)  # fmt: skip
+    return out.to(inputs.dtype), final, kept if keep else ()
 
 
 def numba_linear_backward(
-    inputs: LinearAttentionInputs, grad_out: Tensor | None, grad_state: Tensor | None
+    inputs: LinearAttentionInputs, kept: tuple, grad_out: Tensor | None, grad_state: Tensor | None
 ) -> tuple[Tensor | None, ...]:
     """(dq, dk, dv, dg, dbeta, dinitial_state), each in its input's dtype, None where the
-    call has no such input."""
+    call has no such input; `kept` as the forward returned it (() : recomputed)."""
     batch, steps, heads = inputs.value.shape[:3]
     head_dim, gate_dims = inputs.head_dim, 1 if inputs.gate != "vector" else inputs.head_dim
     arrays = _arrays(inputs)
@@ -622,6 +696,8 @@ def numba_linear_backward(
         grad_out = torch.zeros(inputs.value.shape)
     do = contiguous_fp32(grad_out, ())
     d_final = contiguous_fp32(grad_state, (0, 0, 0, 0))
+    firsts, _ = chunk_firsts(inputs)
+    kept_arrays = tuple(as_numpy(t) for t in kept) if kept else _kept(inputs, 0)[1]
     per_key_head = (batch, steps, inputs.key_heads, head_dim)
     runs = inputs.count > 0 and heads > 0  # the kernel then writes every row of every buffer
     buffers = [
@@ -631,6 +707,7 @@ def numba_linear_backward(
     ]  # fmt: skip
     if runs:
         run_parallel(linear_backward_chunked, *arrays, np.float32(inputs.scale), inputs.l2norm,
-                     inputs.g is not None, inputs.beta is not None, do, d_final,
-                     *(array for _, array in buffers), torch.get_num_threads())  # fmt: skip
+                     inputs.g is not None, inputs.beta is not None, do, d_final, kept_arrays,
+                     firsts, *(array for _, array in buffers),
+                     torch.get_num_threads())  # fmt: skip
     return inputs.as_gradients(*(tensor for tensor, _ in buffers))

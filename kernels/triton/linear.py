@@ -17,6 +17,8 @@ float32, when the call asks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -26,6 +28,9 @@ from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs, l2norm
 CHUNK = 64  # token by token: steps between stored states (the backward replays a chunk at a time)
 # Up to this many steps (decoding, speculative steps), the forward goes token by token.
 RECURRENT_MAX_STEPS = 16
+# The forward keeps its chunks' start states for the backward when they take at most this
+# many bytes; beyond, the backward runs the forward again for them (fla always does).
+KEPT_MAX_BYTES = 512 << 20
 
 
 @jit
@@ -424,19 +429,29 @@ def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Ten
     return out, final, saved
 
 
-def triton_linear_forward(inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
-    """(out (B, T, HV, V) in the call's dtype, final state (N, HV, K, V) float32)."""
-    out, final, _ = _run_forward(inputs, save=False)
-    return out.to(inputs.dtype), final
+def triton_linear_forward(
+    inputs: LinearAttentionInputs, backward: bool
+) -> tuple[Tensor, Tensor, tuple]:
+    """(out (B, T, HV, V) in the call's dtype, final state (N, HV, K, V) float32, (the
+    chunks' start states,) when a `backward` follows and they take at most KEPT_MAX_BYTES,
+    else ())."""
+    chunks = _plan(inputs, save=True)[1] * inputs.count
+    keep = backward and 4 * chunks * math.prod(inputs.state_shape[1:]) <= KEPT_MAX_BYTES
+    out, final, saved = _run_forward(inputs, save=keep)
+    return out.to(inputs.dtype), final, (saved,) if keep else ()
 
 
 def triton_linear_backward(
-    inputs: LinearAttentionInputs, grad_out: Tensor | None, grad_state: Tensor | None
+    inputs: LinearAttentionInputs,
+    kept: tuple,
+    grad_out: Tensor | None,
+    grad_state: Tensor | None,
 ) -> tuple[Tensor | None, ...]:
     """(dq, dk, dv, dg, dbeta, dinitial_state), each in its input's dtype, None where the
-    call has no such input. Runs the forward again for the chunks' start states, and walks
-    the chunks back: by tiles where the forward runs by chunks, else token by token."""
-    _, _, saved = _run_forward(inputs, save=True)
+    call has no such input. Takes the chunks' start states the forward kept, or runs it
+    again for them, and walks the chunks back: by tiles where the forward runs by chunks,
+    else token by token."""
+    saved = kept[0] if kept else _run_forward(inputs, save=True)[2]
     q, k = _normalised(inputs)
     v = _fp32(inputs.value, q)
     batch, steps, heads = v.shape[:3]
