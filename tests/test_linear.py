@@ -215,6 +215,15 @@ def test_gradients_agree_when_the_backward_recomputes_the_chunks(backend, case, 
     check(backend, case, backward=True)
 
 
+@pytest.mark.skipif("numba" not in BACKENDS, reason="numba is unavailable")
+def test_numba_decoding_step_agrees_on_its_threads_too(monkeypatch):
+    """Small steps run numba's per-token kernel on the calling thread; large ones in
+    parallel: the same step both ways."""
+    module = sys.modules[dispatch.registry()["numba"].linear_forward.__module__]
+    monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)
+    check("numba", CASES["step"], backward=False)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_in_pieces_then_steps_equals_one_call(backend):
     call = make(Case(steps=90, gate="scalar", delta=True, l2norm=True, initial_state=True))

@@ -46,6 +46,11 @@ KEPT_MAX_BYTES = 512 << 20
 # Sequences up to this many steps run the per-token kernel when no gradient is needed:
 # decoding and speculative steps (the chunked form's fixed costs dominate short sequences).
 RECURRENT_MAX_STEPS = 16
+# Below this many bytes of state, the per-token kernel runs on the calling thread: one
+# gated delta step of Qwen3-Next's heads took 0.1-0.2 ms there against 0.3-0.5 ms on two
+# threads at B = 1 (2 MiB), 0.5 against 0.9 ms at B = 2, about as long at B = 4 and 8 (the
+# AMD EPYC; the new state's fresh pages bound the larger steps).
+PARALLEL_MIN_BYTES = 16 << 20
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -556,60 +561,77 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
     dh0[n, hv] = ds
 
 
+@njit(fastmath=FASTMATH)
+def recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out, final,
+                   n, hv):  # fmt: skip
+    """The recurrence token by token for sequence n, value head hv, fused: its state is
+    read, updated in `final` and written once; for decoding and short sequences."""
+    value_dim, head_dim = v.shape[3], k.shape[3]
+    hk = hv // (v.shape[2] // k.shape[2])
+    slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
+    state = final[n, hv]
+    source = state  # the state before the step: h0's row at first, read in place
+    if h0.shape[0] > 0:
+        source = h0[n, hv]
+    else:
+        state[:] = 0.0
+    if length == 0:
+        state[:] = source
+    rows = np.empty((2, head_dim), np.float32)  # q^ and k of the step
+    no_norms = np.empty(2, np.float32)
+    no_factor = no_norms[:0]
+    step_decay = np.ones(head_dim, np.float32)
+    read_k = np.empty(value_dim, np.float32)
+    read_q = np.empty(value_dim, np.float32)
+    update = np.empty(value_dim, np.float32)
+    for t in range(start, start + length):
+        load_rows(q, slot, t, 1, hk, no_factor, scale, l2norm, rows[0:1], no_norms)
+        load_rows(k, slot, t, 1, hk, no_factor, np.float32(1.0), l2norm, rows[1:2], no_norms)
+        q_t, k_t, v_t = rows[0], rows[1], v[slot, t, hv]
+        if gated:
+            for d in range(head_dim):
+                step_decay[d] = np.exp(g[slot, t, hv, d if g.shape[3] > 1 else 0])
+        # S' = diag(step_decay) S: S'^T k = S^T (step_decay k), S'^T q^ likewise.
+        read_k[:] = 0.0
+        read_q[:] = 0.0
+        overlap = np.float32(0.0)
+        for d in range(head_dim):
+            overlap += k_t[d] * q_t[d]
+            kd, qd = k_t[d] * step_decay[d], q_t[d] * step_decay[d]
+            row = source[d]
+            for e in range(value_dim):
+                read_k[e] += row[e] * kd
+                read_q[e] += row[e] * qd
+        b = beta[slot, t, hv] if delta else np.float32(1.0)
+        for e in range(value_dim):
+            update[e] = b * (v_t[e] - read_k[e]) if delta else v_t[e]
+            out[slot, t, hv, e] = read_q[e] + update[e] * overlap
+        for d in range(head_dim):
+            row, old, kd, dd = state[d], source[d], k_t[d], step_decay[d]
+            for e in range(value_dim):
+                row[e] = dd * old[e] + kd * update[e]
+        source = state
+
+
 @njit(parallel=True, fastmath=FASTMATH)
 def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
                              final):  # fmt: skip
-    """The recurrence token by token, fused: per (sequence, value head) the state is read,
-    updated in `final` and written once; for decoding and short sequences."""
-    heads, value_dim = v.shape[2], v.shape[3]
-    group = heads // k.shape[2]
-    head_dim = k.shape[3]
+    """recurrent_item of every (sequence, value head), in parallel."""
+    heads = v.shape[2]
     for item in prange(sequences.shape[0] * heads):
-        n, hv = np.int64(item) // heads, np.int64(item) % heads
-        hk = hv // group
-        slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
-        state = final[n, hv]
-        source = state  # the state before the step: h0's row at first, read in place
-        if h0.shape[0] > 0:
-            source = h0[n, hv]
-        else:
-            state[:] = 0.0
-        if length == 0:
-            state[:] = source
-        rows = np.empty((2, head_dim), np.float32)  # q^ and k of the step
-        no_norms = np.empty(2, np.float32)
-        no_factor = no_norms[:0]
-        step_decay = np.ones(head_dim, np.float32)
-        read_k = np.empty(value_dim, np.float32)
-        read_q = np.empty(value_dim, np.float32)
-        update = np.empty(value_dim, np.float32)
-        for t in range(start, start + length):
-            load_rows(q, slot, t, 1, hk, no_factor, scale, l2norm, rows[0:1], no_norms)
-            load_rows(k, slot, t, 1, hk, no_factor, np.float32(1.0), l2norm, rows[1:2], no_norms)
-            q_t, k_t, v_t = rows[0], rows[1], v[slot, t, hv]
-            if gated:
-                for d in range(head_dim):
-                    step_decay[d] = np.exp(g[slot, t, hv, d if g.shape[3] > 1 else 0])
-            # S' = diag(step_decay) S: S'^T k = S^T (step_decay k), S'^T q^ likewise.
-            read_k[:] = 0.0
-            read_q[:] = 0.0
-            overlap = np.float32(0.0)
-            for d in range(head_dim):
-                overlap += k_t[d] * q_t[d]
-                kd, qd = k_t[d] * step_decay[d], q_t[d] * step_decay[d]
-                row = source[d]
-                for e in range(value_dim):
-                    read_k[e] += row[e] * kd
-                    read_q[e] += row[e] * qd
-            b = beta[slot, t, hv] if delta else np.float32(1.0)
-            for e in range(value_dim):
-                update[e] = b * (v_t[e] - read_k[e]) if delta else v_t[e]
-                out[slot, t, hv, e] = read_q[e] + update[e] * overlap
-            for d in range(head_dim):
-                row, old, kd, dd = state[d], source[d], k_t[d], step_decay[d]
-                for e in range(value_dim):
-                    row[e] = dd * old[e] + kd * update[e]
-            source = state
+        recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out, final,
+                       np.int64(item) // heads, np.int64(item) % heads)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def linear_forward_recurrent_serial(q, k, v, g, beta, h0, sequences, scale, l2norm, gated,
+                                    delta, out, final):  # fmt: skip
+    """recurrent_item of every (sequence, value head) on the calling thread: for steps too
+    small to pay for waking numba's threads (see PARALLEL_MIN_BYTES)."""
+    heads = v.shape[2]
+    for item in range(sequences.shape[0] * heads):
+        recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out, final,
+                       item // heads, item % heads)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -669,18 +691,19 @@ def numba_linear_forward(
     out, out_array = float32_array(inputs.value.shape, zero=not runs)
     final, final_array = float32_array(inputs.state_shape, zero=not runs)
     longest = int(inputs.sequences.numpy()[:, 2].max()) if inputs.count else 0
-    recurrent = longest <= RECURRENT_MAX_STEPS and not backward
+    args = (*_arrays(inputs), np.float32(inputs.scale), inputs.l2norm, inputs.g is not None,
+            inputs.beta is not None, out_array, final_array)  # fmt: skip
+    if longest <= RECURRENT_MAX_STEPS and not backward:
+        if runs and math.prod(inputs.state_shape) * 4 >= PARALLEL_MIN_BYTES:
+            run_parallel(linear_forward_recurrent, *args)
+        elif runs:
+            linear_forward_recurrent_serial(*args)
+        return out.to(inputs.dtype), final, ()
     firsts, chunks = chunk_firsts(inputs)
     keep = runs and backward and kept_bytes(inputs, chunks) <= KEPT_MAX_BYTES
     kept, kept_arrays = _kept(inputs, chunks if keep else 0)
-    if runs and recurrent:
-        run_parallel(linear_forward_recurrent, *_arrays(inputs), np.float32(inputs.scale),
-                     inputs.l2norm, inputs.g is not None, inputs.beta is not None, out_array,
-                     final_array)  # fmt: skip
-    elif runs:
-        run_parallel(linear_forward_chunked, *_arrays(inputs), np.float32(inputs.scale),
-                     inputs.l2norm, inputs.g is not None, inputs.beta is not None, out_array,
-                     final_array, kept_arrays, firsts)  # fmt: skip
+    if runs:
+        run_parallel(linear_forward_chunked, *args, kept_arrays, firsts)
     return out.to(inputs.dtype), final, kept if keep else ()
 
 
