@@ -711,7 +711,7 @@ def numba_linear_backward(
     inputs: LinearAttentionInputs, kept: tuple, grad_out: Tensor | None, grad_state: Tensor | None
 ) -> tuple[Tensor | None, ...]:
     """(dq, dk, dv, dg, dbeta, dinitial_state), each in its input's dtype, None where the
-    call has no such input; `kept` as the forward returned it (() : recomputed)."""
+    call has no such input; `kept` as the forward returned it (() to recompute it)."""
     batch, steps, heads = inputs.value.shape[:3]
     head_dim, gate_dims = inputs.head_dim, 1 if inputs.gate != "vector" else inputs.head_dim
     arrays = _arrays(inputs)
