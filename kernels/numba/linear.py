@@ -46,10 +46,10 @@ KEPT_MAX_BYTES = 512 << 20
 # Sequences up to this many steps run the per-token kernel when no gradient is needed:
 # decoding and speculative steps (the chunked form's fixed costs dominate short sequences).
 RECURRENT_MAX_STEPS = 16
-# Below this many bytes of state, the per-token kernel runs on the calling thread: one
-# gated delta step of Qwen3-Next's heads took 0.1-0.2 ms there against 0.3-0.5 ms on two
-# threads at B = 1 (2 MiB), 0.5 against 0.9 ms at B = 2, about as long at B = 4 and 8 (the
-# AMD EPYC; the new state's fresh pages bound the larger steps).
+# Below this many bytes of state, the per-token kernel runs on the calling thread: a gated
+# delta step of Qwen3-Next's heads took 0.44 / 0.46 / 1.37 ms there at B = 1 / 2 / 4 (2 to
+# 8 MiB) against 0.69 / 0.91 / 1.65 ms on two threads, and 3.55 against 2.71 ms at B = 8
+# (benches/linear_decode_threads.py, the AMD EPYC).
 PARALLEL_MIN_BYTES = 16 << 20
 
 
