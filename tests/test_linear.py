@@ -190,10 +190,10 @@ def test_gradients_agree(backend, case):
 FUSED = [name for name in BACKENDS if hasattr(dispatch.registry()[name], "linear_forward")]
 
 
-def kept_budget(backend: str, monkeypatch, budget: int) -> None:
-    """Sets the backend's launcher module's KEPT_MAX_BYTES for this test."""
+def set_launcher_constant(backend: str, monkeypatch, name: str, value: int) -> None:
+    """Sets a constant of the backend's linear launchers' module for this test."""
     module = sys.modules[dispatch.registry()[backend].linear_forward.__module__]
-    monkeypatch.setattr(module, "KEPT_MAX_BYTES", budget)
+    monkeypatch.setattr(module, name, value)
 
 
 @pytest.mark.parametrize("backend", FUSED)
@@ -203,7 +203,7 @@ def test_forward_keeps_its_chunks_for_the_backward_within_its_budget(backend, mo
     launch = dispatch.registry()[backend].linear_forward
     assert launch(inputs, False)[2] == ()
     assert launch(inputs, True)[2], "nothing kept within the budget"
-    kept_budget(backend, monkeypatch, 0)
+    set_launcher_constant(backend, monkeypatch, "KEPT_MAX_BYTES", 0)
     assert launch(inputs, True)[2] == ()
 
 
@@ -211,7 +211,7 @@ def test_forward_keeps_its_chunks_for_the_backward_within_its_budget(backend, mo
     "backend, case", [p for p in grid(["gated_delta", "additive"]) if p.values[0] in FUSED]
 )
 def test_gradients_agree_when_the_backward_recomputes_the_chunks(backend, case, monkeypatch):
-    kept_budget(backend, monkeypatch, 0)
+    set_launcher_constant(backend, monkeypatch, "KEPT_MAX_BYTES", 0)
     check(backend, case, backward=True)
 
 
@@ -219,8 +219,7 @@ def test_gradients_agree_when_the_backward_recomputes_the_chunks(backend, case, 
 def test_numba_decoding_step_agrees_on_its_threads_too(monkeypatch):
     """Small steps run numba's per-token kernel on the calling thread; large ones in
     parallel: the same step both ways."""
-    module = sys.modules[dispatch.registry()["numba"].linear_forward.__module__]
-    monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)
+    set_launcher_constant("numba", monkeypatch, "PARALLEL_MIN_BYTES", 0)
     check("numba", CASES["step"], backward=False)
 
 

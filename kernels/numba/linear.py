@@ -308,18 +308,25 @@ def new_scratch(head_dim, gate_dims):
     )  # fmt: skip
 
 
-@njit(fastmath=FASTMATH)
-def new_kept(heads, chunks, head_dim, value_dim, delta):
-    """What the backward takes of each chunk, (heads, chunks, ...): its start state S0 (K,
-    V), and the delta rule's chunk_update results kk, tm (C, C), x (C, K), u (C, V) (no
-    chunks of these for the additive rule, whose u is v)."""
-    c, f = CHUNK, np.float32
+@njit()
+def kept_shapes(heads, chunks, head_dim, value_dim, delta):
+    """The shapes of what the backward takes of each chunk, (heads, chunks, ...): its start
+    state S0 (K, V), and the delta rule's chunk_update results kk, tm (C, C), x (C, K), u
+    (C, V) (no chunks of these for the additive rule, whose u is v)."""
+    c = CHUNK
     wy = chunks if delta else 0
     return (
-        np.empty((heads, chunks, head_dim, value_dim), f), np.empty((heads, wy, c, c), f),
-        np.empty((heads, wy, c, c), f), np.empty((heads, wy, c, head_dim), f),
-        np.empty((heads, wy, c, value_dim), f),
+        (heads, chunks, head_dim, value_dim), (heads, wy, c, c), (heads, wy, c, c),
+        (heads, wy, c, head_dim), (heads, wy, c, value_dim),
     )  # fmt: skip
+
+
+@njit()
+def new_kept(heads, chunks, head_dim, value_dim, delta):
+    """kept_shapes' arrays (for a thread that recomputes them)."""
+    s0, s1, s2, s3, s4 = kept_shapes(heads, chunks, head_dim, value_dim, delta)
+    f = np.float32
+    return np.empty(s0, f), np.empty(s1, f), np.empty(s2, f), np.empty(s3, f), np.empty(s4, f)
 
 
 @njit(fastmath=FASTMATH)
@@ -337,7 +344,7 @@ def new_update(head_dim, value_dim):
 def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
                            final, kept, firsts):  # fmt: skip
     """out (B, T, HV, V) and final (N, HV, K, V) by chunks; h0 (N, HV, K, V) or empty. With
-    `kept` (new_kept's arrays over every sequence's chunks, sequence n's from firsts[n]; no
+    `kept` (kept_shapes' arrays over every sequence's chunks, sequence n's from firsts[n]; no
     chunks: nothing kept), what the backward takes of each chunk."""
     heads, value_dim = v.shape[2], v.shape[3]
     group = heads // k.shape[2]
@@ -656,26 +663,21 @@ def _arrays(inputs: LinearAttentionInputs) -> tuple:
 
 
 def chunk_firsts(inputs: LinearAttentionInputs) -> tuple[np.ndarray, int]:
-    """(each sequence's first chunk in new_kept's arrays (N,) int64, the chunks of all)."""
+    """(each sequence's first chunk in kept_shapes' arrays (N,) int64, the chunks of all)."""
     lengths = inputs.sequences.numpy()[:, 2].astype(np.int64)
     chunks = (lengths + CHUNK - 1) // CHUNK
     return np.concatenate(([0], np.cumsum(chunks)[:-1])).astype(np.int64), int(chunks.sum())
 
 
-def kept_bytes(inputs: LinearAttentionInputs, chunks: int) -> int:
-    """Bytes of new_kept's arrays for `chunks` chunks of the call's value heads."""
-    k, v, c = inputs.head_dim, inputs.value_dim, CHUNK
-    wy = 2 * c * c + c * (k + v) if inputs.beta is not None else 0
-    return 4 * inputs.value_heads * chunks * (k * v + wy)
+def _kept_shapes(inputs: LinearAttentionInputs, chunks: int) -> tuple:
+    """kept_shapes of the call's value heads for `chunks` chunks."""
+    return kept_shapes(inputs.value_heads, chunks, inputs.head_dim, inputs.value_dim,
+                       inputs.beta is not None)  # fmt: skip
 
 
 def _kept(inputs: LinearAttentionInputs, chunks: int) -> tuple[tuple[Tensor, ...], tuple]:
-    """new_kept's arrays for `chunks` chunks (none: nothing kept), as tensors and arrays."""
-    heads, k, v, c = inputs.value_heads, inputs.head_dim, inputs.value_dim, CHUNK
-    wy = chunks if inputs.beta is not None else 0
-    shapes = ((heads, chunks, k, v), (heads, wy, c, c), (heads, wy, c, c), (heads, wy, c, k),
-              (heads, wy, c, v))  # fmt: skip
-    pairs = [float32_array(shape) for shape in shapes]
+    """kept_shapes' arrays for `chunks` chunks (none: nothing kept), as tensors and arrays."""
+    pairs = [float32_array(shape) for shape in _kept_shapes(inputs, chunks)]
     return tuple(tensor for tensor, _ in pairs), tuple(array for _, array in pairs)
 
 
@@ -700,7 +702,8 @@ def numba_linear_forward(
             linear_forward_recurrent_serial(*args)
         return out.to(inputs.dtype), final, ()
     firsts, chunks = chunk_firsts(inputs)
-    keep = runs and backward and kept_bytes(inputs, chunks) <= KEPT_MAX_BYTES
+    kept_bytes = 4 * sum(math.prod(shape) for shape in _kept_shapes(inputs, chunks))
+    keep = runs and backward and kept_bytes <= KEPT_MAX_BYTES
     kept, kept_arrays = _kept(inputs, chunks if keep else 0)
     if runs:
         run_parallel(linear_forward_chunked, *args, kept_arrays, firsts)

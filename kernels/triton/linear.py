@@ -408,6 +408,11 @@ def _plan(inputs: LinearAttentionInputs, save: bool) -> tuple[bool, int, dict]:
     return True, max(triton.cdiv(longest, steps), 1), flags
 
 
+def _saved_shape(inputs: LinearAttentionInputs, chunks: int) -> tuple[int, ...]:
+    """(N, HV, chunks, K, V): the chunks' start states the forward stores when it saves."""
+    return (*inputs.state_shape[:2], chunks, *inputs.state_shape[2:])
+
+
 def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Tensor, Tensor]:
     q, k = _normalised(inputs)
     v = _fp32(inputs.value, q)
@@ -415,8 +420,8 @@ def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Ten
     out = torch.zeros(v.shape, dtype=torch.float32, device=device)
     final = torch.zeros(inputs.state_shape, dtype=torch.float32, device=device)
     chunked, chunks, flags = _plan(inputs, save)
-    saved = torch.empty((*inputs.state_shape[:2], chunks, *inputs.state_shape[2:]) if save
-                        else (1,), dtype=torch.float32, device=device)  # fmt: skip
+    saved = torch.empty(_saved_shape(inputs, chunks) if save else (1,), dtype=torch.float32,
+                        device=device)  # fmt: skip
     bk, bv, blocks = _blocks(inputs)
     kernel = linear_chunk_kernel if chunked else linear_forward_kernel
     if final.numel():
@@ -435,8 +440,8 @@ def triton_linear_forward(
     """(out (B, T, HV, V) in the call's dtype, final state (N, HV, K, V) float32, (the
     chunks' start states,) when a `backward` follows and they take at most KEPT_MAX_BYTES,
     else ())."""
-    chunks = _plan(inputs, save=True)[1] * inputs.count
-    keep = backward and 4 * chunks * math.prod(inputs.state_shape[1:]) <= KEPT_MAX_BYTES
+    saved_bytes = 4 * math.prod(_saved_shape(inputs, _plan(inputs, save=True)[1]))
+    keep = backward and saved_bytes <= KEPT_MAX_BYTES
     out, final, saved = _run_forward(inputs, save=keep)
     return out.to(inputs.dtype), final, (saved,) if keep else ()
 
