@@ -12,6 +12,7 @@ from attnperf.api import (
 )
 from attnperf.dispatch import BackendNotSupportedError
 from attnperf.layouts import BlockMask, block_mask
+from attnperf.serving import dequantize_kv, quantize_kv
 from attnperf.version import __version__
 
 __all__ = [
@@ -24,8 +25,10 @@ __all__ = [
     "backends",
     "block_mask",
     "choose_backend",
+    "dequantize_kv",
     "layouts",
     "linear_attention",
     "merge_attention",
     "nn",
+    "quantize_kv",
 ]

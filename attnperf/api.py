@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from attnperf import dispatch, ops
-from attnperf.inputs import prepare
+from attnperf.inputs import check_sinks, prepare
 from attnperf.layouts import BlockMask
 from attnperf.linear_inputs import prepare_linear
 from attnperf.serving import append_to_cache, prepare_kvcache, prepare_varlen
@@ -31,6 +31,7 @@ def attention(
     block_mask: BlockMask | None = None,
     align: str = "top_left",
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Drop-in for torch's scaled_dot_product_attention, served by `backend`, with
     FlashAttention's variants.
@@ -54,13 +55,17 @@ def attention(
     - return_lse: return (out, lse), lse (N, ..., Hq, L) float32, the natural-log
       log-sum-exp of each row's final scores, -inf for a row that sees no key;
       differentiable.
+    - sinks: a float (Hq,) tensor, one logit per query head (gpt-oss's, FlashAttention 4's
+      learnable_sink), unscaled, used in float32, added to each row's softmax denominator:
+      out_i = sum_j exp(s_ij) v_j / (exp(sink) + sum_j exp(s_ij)); the LSE includes it
+      (a row that sees no key: out 0, lse = sink). Differentiable.
     Rows that see no key give zeros. `backend` is "auto" or a name from `backends()`.
     Under torch.compile it is one custom op (`torch.ops.attnperf.attention`), traced
     without graph breaks.
     """
     variants = {
         "window": window, "softcap": softcap, "alibi_slopes": alibi_slopes,
-        "block_mask": block_mask, "align": align, "return_lse": return_lse,
+        "block_mask": block_mask, "align": align, "return_lse": return_lse, "sinks": sinks,
     }  # fmt: skip
     if torch.compiler.is_compiling():
         return ops.attention(
@@ -98,6 +103,7 @@ def attention_varlen(
     align: str = "bottom_right",
     backend: str = "auto",
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over a packed batch of variable-length sequences (FlashAttention's
     flash_attn_varlen_func): q (total_q, Hq, E), k (total_k, H, E), v (total_k, H, Ev) ->
@@ -106,13 +112,13 @@ def attention_varlen(
     Sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q and cu_seqlens_k[b] ..
     cu_seqlens_k[b + 1] of k and v (int32 (B + 1,), from 0 to the totals) and attends only
     within itself; max_seqlen_* bound the lengths. is_causal, window, softcap, alibi_slopes
-    ((Hq,) or (B, Hq)) as in `attention`, per sequence, aligned bottom-right by default (o =
-    S_b - L_b). H divides Hq (grouped-query). Differentiable.
+    ((Hq,) or (B, Hq)) and sinks (Hq,) as in `attention`, per sequence, aligned
+    bottom-right by default (o = S_b - L_b). H divides Hq (grouped-query). Differentiable.
     """
     inputs = prepare_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=is_causal,
         scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, align=align,
-        return_lse=return_lse,
+        return_lse=return_lse, sinks=sinks,
     )  # fmt: skip
     return dispatch.attend(inputs, backend)
 
@@ -135,6 +141,9 @@ def attention_with_kvcache(
     num_splits: int = 0,
     backend: str = "auto",
     return_lse: bool = False,
+    sinks: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of a few new queries over a KV cache (FlashAttention's
     flash_attn_with_kvcache), inference only: q (B, Lq, Hq, E) -> out (B, Lq, Hq, Ev) (and
@@ -146,14 +155,20 @@ def attention_with_kvcache(
     the caller's cache in place at cache_seqlens first; sequence b then attends over its
     cache_seqlens[b] + Lnew keys, bottom-right aligned (causal by default); cache_leftpad (B,)
     int32, if given, starts sequence b's keys at that row (left padding). num_splits:
-    split-K chunks per sequence merged by their LSEs, 0 chooses, 1 disables. A call that
-    raises writes nothing.
+    split-K chunks per sequence merged by their LSEs (the sinks (Hq,), as in `attention`,
+    applied once after the merge), 0 chooses, 1 disables. A call that raises writes nothing.
+
+    An int8 cache (k_cache, v_cache int8 codes) takes its scales: k_scale, v_scale float32
+    (B, S_max, H, E // G) (paged: (num_pages, page_size, H, E // G)), G dividing E and free
+    to differ between K and V; a cached row is codes * scale per group of G values
+    (`quantize_kv`). k_new, v_new (in q's dtype) are then quantized by quantize_kv's rule
+    as they are written, codes and scales. The output is in q's dtype.
     """
     inputs = prepare_kvcache(
         q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table,
         cache_leftpad=cache_leftpad, is_causal=is_causal, scale=scale, window=window,
         softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-        return_lse=return_lse,
+        return_lse=return_lse, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     chosen = dispatch.select(inputs, backend)
     append_to_cache(inputs)
@@ -194,12 +209,18 @@ def backends() -> list[dict[str, object]]:
     return [backend.describe() for backend in dispatch.registry().values()]
 
 
-def merge_attention(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+def merge_attention(
+    outs: list[Tensor], lses: list[Tensor], *, sinks: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Exact attention of the same queries over the union of disjoint key sets, from each
     set's (out (..., L, Ev), lse (..., L)): lse = logsumexp_i lse_i, out = sum_i
     exp(lse_i - lse) * out_i. Parts whose LSE is -inf (no key seen) weigh 0; a row no part
     sees gives out 0, lse -inf. Computed in float32 (float64 for float64 parts) and
-    differentiable; out in the parts' dtype, lse float32 (float64 for float64)."""
+    differentiable; out in the parts' dtype, lse float32 (float64 for float64).
+
+    sinks (Hq,), with heads at dim -2 of the LSEs (-3 of the outputs), are applied once, to
+    parts computed without them: they join as one more part of output 0 and LSE sink (so a
+    row no part sees gives out 0, lse = sink)."""
     if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
         raise TypeError("outs and lses must be lists of tensors")
     if len(outs) != len(lses) or not outs:
@@ -215,7 +236,13 @@ def merge_attention(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Ten
             raise ValueError(f"lses[{i}] must have shape {tuple(out.shape[:-1])} (outs[{i}] "
                              f"without its last dim), got {tuple(lse.shape)}")  # fmt: skip
     wide = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
-    stacked = torch.stack([lse.to(wide) for lse in lses])
+    stacked = [lse.to(wide) for lse in lses]
+    if sinks is not None:
+        if lses[0].dim() < 2:
+            raise ValueError("sinks need the LSEs' heads at dim -2; the LSEs are 1-D")
+        check_sinks(sinks, lses[0].device, lses[0].shape[-2])
+        stacked.append(sinks.to(wide)[:, None].expand(lses[0].shape))
+    stacked = torch.stack(stacked)
     # Shifted by the largest part (0 where every part is -inf: weights 0, never NaN, in the
     # forward or the backward, which torch.logsumexp gives there).
     largest = stacked.amax(0).detach()
@@ -225,8 +252,8 @@ def merge_attention(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Ten
     seen = total > 0
     total = torch.where(seen, total, 1.0)
     lse = torch.where(seen, shift + torch.log(total), float("-inf"))
-    weights = scaled / total
-    out = sum(w.unsqueeze(-1) * o.to(wide) for w, o in zip(weights, outs, strict=True))
+    weights = scaled / total  # the sink's part, if any, is last and has no output
+    out = sum(w.unsqueeze(-1) * o.to(wide) for w, o in zip(weights, outs, strict=False))
     return out.to(outs[0].dtype), lse
 
 

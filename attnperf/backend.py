@@ -36,9 +36,11 @@ FEATURES = {
     "gqa": "grouped-query attention",
     "dropout": "dropout_p > 0",
     "backward": "backward (inputs require grad)",
+    "sinks": "sinks",
     "varlen": "packed variable-length sequences (attention_varlen)",
     "kvcache": "KV-cache attention (attention_with_kvcache)",
     "kvcache_backward": "backward through attention_with_kvcache (inference only)",
+    "kvcache_int8": "an int8 KV cache (k_scale, v_scale)",
     "linear": "linear attention (linear_attention)",
     "linear_backward": "backward through linear_attention",
 }
@@ -136,6 +138,20 @@ def lse_from_stats(stats: Tensor) -> Tensor:
     return torch.where(row_sum > 0, lse, float("-inf"))
 
 
+def sink_gradient(
+    sinks: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Tensor | None
+) -> Tensor:
+    """d loss / d sinks (Hq,) in the sinks' dtype, from an attention with sinks: out (B, Hq,
+    L, Ev), its natural-log lse (B, Hq, L) (the sink's term included; -inf on rows of no
+    sequence, which take no part) and their gradients. The sink's weight in row i is p_i =
+    exp(sink - lse_i), so dsink = -sum_i p_i (rowsum(dO * O)_i - dLSE_i)."""
+    delta = (grad_out.float() * out.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.float()
+    weight = torch.where(lse > float("-inf"), torch.exp(sinks.float()[:, None] - lse.float()), 0.0)
+    return -(weight * delta).sum((0, 2)).to(sinks.dtype)
+
+
 def stats_from_lse(lse: Tensor) -> Tensor:
     """A fused kernel's (max, sum) statistics (B, Hq, L, 2) standing for given natural-log
     LSEs: (lse * log2(e), 1), or (0, 0) for -inf. The backward launchers take them, so a
@@ -182,15 +198,18 @@ class FusedBackend(Backend):
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
         launchers = (self.forward, self.backward)
         out, lse, _ = FusedAttention.apply(
-            launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask
-        )
+            launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask,
+            inputs.variant.sinks,
+        )  # fmt: skip
         return out, lse if inputs.variant.return_lse else None
 
 
 class FusedAttention(torch.autograd.Function):
     """Autograd over a fused kernel's two launchers: (out, lse, stats) from
-    apply((forward, backward), inputs, query, key, value, attn_mask); lse (natural log,
-    empty unless the call asked for it) is differentiable, stats are not.
+    apply((forward, backward), inputs, query, key, value, attn_mask, sinks); lse (natural
+    log, empty unless the call asked for it) is differentiable, stats are not. The
+    launchers' stats hold the sinks' terms, so their backward needs nothing more; the sinks'
+    own gradient is `sink_gradient`.
 
     Saves the inputs and (out, stats), never L x S, through save_for_backward, so that an
     in-place edit after the forward raises in backward as it does for SDPA. Double backward
@@ -198,7 +217,7 @@ class FusedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(launchers, inputs: AttentionInputs, query, key, value, attn_mask):
+    def forward(launchers, inputs: AttentionInputs, query, key, value, attn_mask, sinks):
         out, stats = launchers[0](inputs)
         # Only when asked: a torch op between two numba kernels costs the second one (see
         # attnperf.kernels.numba.launch.float32_array).
@@ -207,30 +226,38 @@ class FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        launchers, call, query, key, value, attn_mask = inputs
+        launchers, call, query, key, value, attn_mask, sinks = inputs
         ctx.launch_backward, ctx.call = launchers[1], call
         out, lse, stats = output
-        ctx.save_for_backward(query, key, value, attn_mask, out, stats)
+        ctx.save_for_backward(query, key, value, attn_mask, sinks, out, stats)
         ctx.mark_non_differentiable(stats)
         if not call.variant.return_lse:
             ctx.mark_non_differentiable(lse)
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, _grad_stats):
-        query, key, value, attn_mask, out, stats = ctx.saved_tensors  # checks in-place edits
-        inputs = replace(ctx.call, query=query, key=key, value=value, attn_mask=attn_mask)
+        query, key, value, attn_mask, sinks, out, stats = ctx.saved_tensors  # checks edits
+        inputs = replace(ctx.call, query=query, key=key, value=value, attn_mask=attn_mask,
+                         variant=replace(ctx.call.variant, sinks=sinks))  # fmt: skip
         if not inputs.variant.return_lse:
             grad_lse = None  # nobody saw the LSE: its gradient is zeros
         with torch.no_grad():
             grads = ctx.launch_backward(inputs, out, stats, grad_out, grad_lse)
-        saved = (grad_out, grad_lse, query, key, value, attn_mask)
+            dsinks = None
+            if sinks is not None and ctx.needs_input_grad[6]:
+                dsinks = sink_gradient(sinks, out, lse_from_stats(stats), grad_out, grad_lse)
+            grads = (*grads, dsinks)
+        saved = (grad_out, grad_lse, query, key, value, attn_mask, sinks)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in saved):
             grads = _refuse_double_backward(grads)
         return None, None, *grads
 
     @staticmethod
-    def vmap(info, in_dims, launchers, inputs: AttentionInputs, query, key, value, attn_mask):
+    def vmap(info, in_dims, launchers, inputs: AttentionInputs, query, key, value, attn_mask,
+             sinks):  # fmt: skip
         size, batch = info.batch_size, inputs.batch
+        if in_dims[6] is not None:
+            raise NotImplementedError("torch.vmap over the sinks (one set per vmapped item)")
 
         def fold(tensor, dim):  # (size, B, ...) -> (size * B, ...)
             if tensor is None:
@@ -239,14 +266,14 @@ class FusedAttention(torch.autograd.Function):
             return tensor.reshape(size * batch, *tensor.shape[2:])
 
         tensors = (query, key, value, attn_mask)
-        q, k, v, m = (fold(t, d) for t, d in zip(tensors, in_dims[2:], strict=True))
+        q, k, v, m = (fold(t, d) for t, d in zip(tensors, in_dims[2:6], strict=True))
         variant = inputs.variant
         if variant.alibi_slopes is not None:  # (B, Hq): the same slopes for every vmapped item
             variant = replace(variant, alibi_slopes=variant.alibi_slopes.repeat(size, 1))
         if variant.block_mask is not None and variant.block_mask.shape[0] != 1:
             raise NotImplementedError("torch.vmap over a call with a per-batch block_mask")
         folded = replace(inputs, query=q, key=k, value=v, attn_mask=m, variant=variant)
-        out, lse, stats = FusedAttention.apply(launchers, folded, q, k, v, m)
+        out, lse, stats = FusedAttention.apply(launchers, folded, q, k, v, m, sinks)
         out, stats = out.unflatten(0, (size, batch)), stats.unflatten(0, (size, batch))
         if not variant.return_lse:  # empty: not batched
             return (out, lse, stats), (0, None, 0)

@@ -25,11 +25,18 @@ from torch import Tensor
 
 from attnperf import dispatch
 from attnperf.api import merge_attention
-from attnperf.backend import Backend, FusedBackend, lse_from_stats, stats_from_lse
+from attnperf.backend import (
+    Backend,
+    FusedBackend,
+    lse_from_stats,
+    sink_gradient,
+    stats_from_lse,
+)
 from attnperf.inputs import (
     AttentionInputs,
     Sequences,
     band,
+    check_sinks,
     check_softcap,
     check_window,
     prepare,
@@ -158,6 +165,7 @@ def ring_attention(
     layout: str = "zigzag",
     backend: str = "auto",
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """This rank's shard of exact attention over the whole sequence, sharded across `group`.
 
@@ -165,8 +173,9 @@ def ring_attention(
     shard_sequence); returns out (B, Hq, L_local, Ev) (and the natural-log LSE (B, Hq,
     L_local) float32 with return_lse). Positions are global: is_causal and window=(left,
     right) apply to the whole sequence (query i sees key j iff i - left <= j <= i + right,
-    j <= i when causal), softcap as in `attention`; H divides Hq (GQA). Differentiable.
-    Every rank must call it with shards of one length, dtype and shape.
+    j <= i when causal), softcap and sinks (Hq,) as in `attention` (the sinks applied once,
+    after the merge; their gradient is this rank's rows' share); H divides Hq (GQA).
+    Differentiable. Every rank must call it with shards of one length, dtype and shape.
     """
     rank, world = _group(group)
     _check_layout(layout)
@@ -192,13 +201,14 @@ def ring_attention(
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"layout='zigzag' holds 2 equal chunks per rank: L_local must be even, "
                          f"got {q.shape[2]} (the sequence must split into 2W chunks)")  # fmt: skip
+    check_sinks(sinks, q.device, q.shape[1])
     _check_ranks_agree(q, k, v, group)
     call = RingCall(rank, world, group, layout, is_causal, scale, window, softcap, None,
                     return_lse)  # fmt: skip
     # The diagonal block asks for every feature that any block will (its band cut, the LSE).
     diagonal = _block(local.query, local.key, local.value, 0, 0, call)
     call = replace(call, backend=dispatch.select(diagonal, backend))
-    out, lse = RingAttention.apply(call, q, k, v)
+    out, lse = RingAttention.apply(call, q, k, v, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -275,7 +285,7 @@ class RingAttention(torch.autograd.Function):
     """(out, lse) of ring attention; backward sends dK/dV home around the ring."""
 
     @staticmethod
-    def forward(ctx, call: RingCall, q: Tensor, k: Tensor, v: Tensor):
+    def forward(ctx, call: RingCall, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None):
         times = LAST_TIMES["forward"] = RingTimes()
         q_chunks = chunks(call.layout, call.rank, call.world, q.shape[2])
         outs = [None] * len(q_chunks)
@@ -304,9 +314,12 @@ class RingAttention(torch.autograd.Function):
             if outs[index] is None:  # no key reached these rows: zeros, LSE -inf
                 outs[index] = q.new_zeros((*q.shape[:2], q_len, value_dim), dtype=torch.float32)
                 lses[index] = q.new_full((*q.shape[:2], q_len), float("-inf"), dtype=torch.float32)
-        out, lse = torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
+        out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
+        if sinks is not None:
+            out, lse = merge_attention([out], [lse], sinks=sinks.detach())
+        out = out.to(q.dtype)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
         if not call.return_lse:
             ctx.mark_non_differentiable(lse)
         return out, lse
@@ -314,7 +327,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
         call: RingCall = ctx.call
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
         times = LAST_TIMES["backward"] = RingTimes()
         if not call.return_lse:
             grad_lse = None
@@ -353,7 +366,10 @@ class RingAttention(torch.autograd.Function):
                 kv = arriving
         _wait(dkv_requests, times)
         dk, dv = dkv_arriving if call.world > 1 else dkv
-        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            dsinks = sink_gradient(sinks, out, lse, grad_out, grad_lse)
+        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 
 
 def _step_blocks(call: RingCall, q: Tensor, kv: list[Tensor], source: int):

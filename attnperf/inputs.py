@@ -61,7 +61,9 @@ class Variant:
     unbounded), o = 0 for align "top_left", S - L for "bottom_right"; softcap c: scores
     become c * tanh(s / c) before masks and ALiBi; alibi_slopes (B, Hq) float32: adds
     -slope * |i + o - j|; block_mask: a block-sparse layout; return_lse: the row LSEs too;
-    sequences: ragged sequences (attention_varlen), each with its own alignment o.
+    sequences: ragged sequences (attention_varlen), each with its own alignment o; sinks
+    (Hq,) float: one logit per query head added to each row's softmax denominator
+    (gpt-oss's, FlashAttention 4's learnable_sink), unscaled, used in float32.
     """
 
     window: tuple[int | None, int | None] | None = None
@@ -71,6 +73,7 @@ class Variant:
     block_mask: BlockMask | None = None
     return_lse: bool = False
     sequences: Sequences | None = None
+    sinks: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ class AttentionInputs:
             "dropout": self.dropout_p > 0,
             "backward": self.needs_grad,
             "varlen": variant.sequences is not None,
+            "sinks": variant.sinks is not None,
         }  # fmt: skip
         return {name for name, needed in wanted.items() if needed}
 
@@ -207,7 +211,7 @@ class AttentionInputs:
 
     @property
     def needs_grad(self) -> bool:
-        tensors = (self.query, self.key, self.value, self.attn_mask)
+        tensors = (self.query, self.key, self.value, self.attn_mask, self.variant.sinks)
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
     def restore(self, out: Tensor, lse: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -248,6 +252,7 @@ def prepare(
     block_mask: object = None,
     align: object = "top_left",
     return_lse: object = False,
+    sinks: object = None,
 ) -> AttentionInputs:
     """Check a call against SDPA's contract (and the variant's arguments) and flatten it to
     AttentionInputs.
@@ -342,6 +347,7 @@ def prepare(
         alibi_slopes=check_alibi_slopes(alibi_slopes, query, batch_shape, q_heads, batch),
         block_mask=_block_mask(block_mask, query, batch, q_heads, q_len, kv_len),
         return_lse=check_flag("return_lse", return_lse),
+        sinks=check_sinks(sinks, query.device, q_heads),
     )
     return AttentionInputs(
         query=query.reshape(batch, q_heads, q_len, head_dim),
@@ -398,6 +404,22 @@ def check_alibi_slopes(
     if slopes.requires_grad:
         raise ValueError("alibi_slopes must not require grad: no gradient is computed for them")
     return slopes.reshape(-1, q_heads).expand(batch, q_heads).contiguous()
+
+
+def check_sinks(sinks: object, device: torch.device, q_heads: int) -> Tensor | None:
+    """The sinks as given: a floating-point (Hq,) tensor on the call's device."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {describe_type(sinks)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but the call is on {device}")
+    if tuple(sinks.shape) != (q_heads,):
+        raise ValueError(
+            f"sinks must have shape (Hq,) = ({q_heads},), one logit per query head, got "
+            f"{tuple(sinks.shape)}"
+        )
+    return sinks
 
 
 def _block_mask(

@@ -33,7 +33,9 @@ class SelfAttention(nn.Module):
     Variants, in the kernels: `window=(left, right)` limits each query to the keys within
     left before and right after it (a sliding window of W keys: (W - 1, 0) with causal);
     `softcap=c` caps the scores at c (Gemma 2: 50); `alibi=True` adds ALiBi's linear biases
-    with the standard slopes (`alibi_slopes(num_heads)`) in place of position embeddings.
+    with the standard slopes (`alibi_slopes(num_heads)`) in place of position embeddings;
+    `sinks=True` adds a learnable logit per query head (`self.sinks`, (num_heads,) float32,
+    zeros at first) to each softmax's denominator, as gpt-oss does.
 
     Context parallelism: with `context_parallel` (True for torch.distributed's default group,
     or a process group), x is this rank's shard of the sequence in `context_layout`
@@ -54,6 +56,7 @@ class SelfAttention(nn.Module):
         window: tuple[int | None, int | None] | None = None,
         softcap: float | None = None,
         alibi: bool = False,
+        sinks: bool = False,
         context_parallel: object = None,
         context_layout: str = "zigzag",
     ) -> None:
@@ -71,8 +74,9 @@ class SelfAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         check_name(backend)
-        if not isinstance(alibi, bool):
-            raise TypeError(f"alibi must be a bool, got {type(alibi).__name__}")
+        for name, flag in (("alibi", alibi), ("sinks", sinks)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         self.num_heads, self.num_kv_heads = int(num_heads), int(num_kv_heads)
         self.head_dim = int(embed_dim) // self.num_heads
         self.causal, self.dropout, self.backend = causal, dropout, backend
@@ -80,6 +84,7 @@ class SelfAttention(nn.Module):
         # Not in the state_dict: the slopes follow from num_heads, they are not learned.
         slopes = torch.tensor(alibi_slopes(self.num_heads)) if alibi else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
         if context_parallel not in (None, False) and (alibi or dropout):
             raise ValueError("context_parallel runs ring attention: no alibi or dropout with it")
         self.context_parallel, self.context_layout = context_parallel, context_layout
@@ -127,7 +132,7 @@ class SelfAttention(nn.Module):
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
             backend=self.backend, window=window, softcap=self.softcap,
-            alibi_slopes=self.alibi_slopes,
+            alibi_slopes=self.alibi_slopes, sinks=self.sinks,
         )  # fmt: skip
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -139,6 +144,7 @@ class SelfAttention(nn.Module):
         out = ring_attention(
             q, k, v, group=group, is_causal=self.causal, window=self.window,
             softcap=self.softcap, layout=self.context_layout, backend=self.backend,
+            sinks=self.sinks,
         )  # fmt: skip
         return out.transpose(1, 2)
 

@@ -26,7 +26,7 @@ NO_SIDE = -1  # a window side that is None (unbounded), as the op's int argument
 def flatten_variant(variants: dict) -> list:
     """`attention`'s variant keywords as the custom op's typed arguments: window given,
     left, right (NO_SIDE: None), softcap, alibi_slopes, align, return_lse, the block
-    layout's tensors and its ints (shape and block size; empty without one)."""
+    layout's tensors and its ints (shape and block size; empty without one), sinks."""
     window = variants.get("window")
     layout = variants.get("block_mask")
     left, right = window if isinstance(window, (tuple, list)) and len(window) == 2 else (0, 0)
@@ -40,11 +40,12 @@ def flatten_variant(variants: dict) -> list:
         variants.get("return_lse", False),
         [] if layout is None else [layout.kinds, layout.partial_index, layout.partial],
         [] if layout is None else [*layout.shape, *layout.block_size],
+        variants.get("sinks"),
     ]
 
 
 def unflatten_variant(has_window, left, right, softcap, alibi_slopes, align, return_lse,
-                      layout, layout_ints) -> dict:  # fmt: skip
+                      layout, layout_ints, sinks) -> dict:  # fmt: skip
     """The inverse of flatten_variant: keywords for `prepare`."""
     block_mask = None
     if layout:
@@ -54,7 +55,7 @@ def unflatten_variant(has_window, left, right, softcap, alibi_slopes, align, ret
         window = (None if left == NO_SIDE else left, None if right == NO_SIDE else right)
     return {
         "window": window, "softcap": softcap, "alibi_slopes": alibi_slopes,
-        "block_mask": block_mask, "align": align, "return_lse": return_lse,
+        "block_mask": block_mask, "align": align, "return_lse": return_lse, "sinks": sinks,
     }  # fmt: skip
 
 
@@ -131,12 +132,13 @@ def attention_op(
     return_lse: bool,
     layout: list[Tensor],
     layout_ints: list[int],
+    sinks: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(attention output (..., Hq, L, Ev) computed eagerly by `backend`, its LSE (empty
     unless return_lse), the random state the dropout drew from: empty without dropout)."""
     state = _rng_state(query.device) if dropout_p > 0 else query.new_empty(0, dtype=torch.uint8)
     variant = (has_window, window_left, window_right, softcap, alibi_slopes, align, return_lse,
-               layout, layout_ints)  # fmt: skip
+               layout, layout_ints, sinks)  # fmt: skip
     with torch.no_grad():
         out, lse = _eager_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
@@ -177,24 +179,30 @@ def attention_backward_op(
     return_lse: bool,
     layout: list[Tensor],
     layout_ints: list[int],
+    sinks: Tensor | None,
     grad_lse: Tensor,
     mask_needs_grad: bool,
     rng_state: Tensor,
 ) -> list[Tensor]:
-    """[dq, dk, dv, dmask]: the forward recomputed under autograd (with dropout, from the
-    forward's `rng_state`), then differentiated (through the LSE too, where `grad_lse` is
-    not empty). dmask is empty unless `mask_needs_grad`."""
+    """[dq, dk, dv, dmask, dsinks]: the forward recomputed under autograd (with dropout,
+    from the forward's `rng_state`), then differentiated (through the LSE too, where
+    `grad_lse` is not empty). dmask is empty unless `mask_needs_grad`, dsinks without
+    sinks."""
     replay = _replayed_rng(query.device, rng_state) if dropout_p > 0 else contextlib.nullcontext()
-    variant = (has_window, window_left, window_right, softcap, alibi_slopes, align, return_lse,
-               layout, layout_ints)  # fmt: skip
     with _autograd_inside_op(), replay:
         leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+        if sinks is not None:
+            sinks = sinks.detach().requires_grad_()
+        variant = (has_window, window_left, window_right, softcap, alibi_slopes, align,
+                   return_lse, layout, layout_ints, sinks)  # fmt: skip
         mask = attn_mask
         if mask_needs_grad:
             mask = attn_mask.detach().requires_grad_()
             leaves.append(mask)
         out, lse = _eager_attention(*leaves[:3], mask, dropout_p, is_causal, scale, enable_gqa,
                                     backend, variant)  # fmt: skip
+        if sinks is not None:
+            leaves.append(sinks)
         outputs, grads_in = [out], [grad_out]
         if grad_lse.numel():
             outputs.append(lse)
@@ -202,36 +210,41 @@ def attention_backward_op(
         grads = torch.autograd.grad(outputs, leaves, grads_in, allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves, strict=True)]
     if not mask_needs_grad:
+        grads.insert(3, query.new_empty(0))
+    if sinks is None:
         grads.append(query.new_empty(0))
     return grads
 
 
 @attention_backward_op.register_fake
 def _(grad_out, query, key, value, attn_mask, *arguments):
-    mask_needs_grad = arguments[-2]
+    sinks, mask_needs_grad = arguments[-4], arguments[-2]
     dmask = torch.empty_like(attn_mask) if mask_needs_grad else query.new_empty(0)
-    return [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dmask]
+    dsinks = query.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dmask,
+            dsinks]  # fmt: skip
 
 
-ARGUMENTS_AFTER_MASK = 14  # dropout_p .. layout_ints: passed through to the backward op
+ARGUMENTS_AFTER_MASK = 15  # dropout_p .. sinks: passed through to the backward op
 
 
 def _setup_context(ctx, inputs, output):
-    alibi_slopes, layout = inputs[13], inputs[16]
-    ctx.save_for_backward(*inputs[:4], output[2], alibi_slopes, *layout)
+    alibi_slopes, layout, sinks = inputs[13], inputs[16], inputs[18]
+    ctx.save_for_backward(*inputs[:4], output[2], alibi_slopes, sinks, *layout)
     ctx.arguments = inputs[4:]
     ctx.layout_count = len(layout)
     ctx.mark_non_differentiable(output[2])
 
 
 def _backward(ctx, grad_out, grad_lse, _grad_rng_state):
-    query, key, value, mask, rng_state, alibi_slopes, *layout = ctx.saved_tensors
+    query, key, value, mask, rng_state, alibi_slopes, sinks, *layout = ctx.saved_tensors
     mask_needs_grad = bool(mask is not None and ctx.needs_input_grad[3])
     arguments = list(ctx.arguments)
-    arguments[9], arguments[12] = alibi_slopes, layout  # saved, not held as plain references
+    # Saved, not held as plain references:
+    arguments[9], arguments[12], arguments[14] = alibi_slopes, layout, sinks
     return_lse = arguments[11]
     grad_lse = grad_lse if return_lse and grad_lse is not None else query.new_empty(0)
-    dq, dk, dv, dmask = attention_backward_op(
+    dq, dk, dv, dmask, dsinks = attention_backward_op(
         grad_out, query, key, value, mask, *arguments, grad_lse, mask_needs_grad, rng_state
     )
     # No gradient for the other arguments, in their structure: a list per tensor list; the
@@ -239,6 +252,7 @@ def _backward(ctx, grad_out, grad_lse, _grad_rng_state):
     others = [None] * ARGUMENTS_AFTER_MASK
     others[12] = [None] * ctx.layout_count
     others[13] = None if ctx.arguments[13] else []
+    others[14] = dsinks if sinks is not None else None
     return dq, dk, dv, dmask if mask_needs_grad else None, *others
 
 

@@ -24,13 +24,16 @@ from attnperf.inputs import (
     check_alibi_slopes,
     check_flag,
     check_scale,
+    check_sinks,
     check_softcap,
     check_window,
 )
+from attnperf.layouts import describe_type
 
 
-def _check_tensors(names_and_tensors, dims: int, layout: str) -> None:
-    """Each a dense tensor of `dims` dims, of one supported dtype and device."""
+def _check_tensors(names_and_tensors, dims: int, layout: str, dtypes=SUPPORTED_DTYPES) -> None:
+    """Each a dense tensor of `dims` dims, of one of `dtypes` (one dtype for all), on one
+    device."""
     first_name, first = names_and_tensors[0]
     for name, tensor in names_and_tensors:
         if not isinstance(tensor, Tensor):
@@ -38,12 +41,81 @@ def _check_tensors(names_and_tensors, dims: int, layout: str) -> None:
         if tensor.dim() != dims:
             raise ValueError(f"{name} must be {layout} ({dims} dims), got shape "
                              f"{tuple(tensor.shape)}")  # fmt: skip
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be fp16, bf16, fp32 or fp64, got {tensor.dtype}")
+        if tensor.dtype not in dtypes:
+            names = {torch.int8: "int8", **{d: DTYPE_WORDS[d] for d in SUPPORTED_DTYPES}}
+            raise TypeError(f"{name} must be {' or '.join(names[d] for d in dtypes)}, got "
+                            f"{tensor.dtype}")  # fmt: skip
         if tensor.dtype != first.dtype:
             raise TypeError(f"{name} dtype {tensor.dtype} must match {first_name}'s {first.dtype}")
         if tensor.device != first.device:
             raise ValueError(f"{name} is on {tensor.device} but {first_name} is on {first.device}")
+
+
+DTYPE_WORDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+               torch.float64: "fp64"}  # fmt: skip
+
+
+def _is_int8(tensor: object) -> bool:
+    return isinstance(tensor, Tensor) and tensor.dtype == torch.int8
+
+
+def _check_scale(name: str, scale: object, cache: Tensor, cache_name: str) -> Tensor | None:
+    """An int8 cache's scales: float32 (rows..., H, E // G) beside its (rows..., H, E), G
+    dividing E; None for a float cache, which takes none."""
+    if not _is_int8(cache):
+        if scale is not None:
+            raise ValueError(f"{name} is given but {cache_name} is {cache.dtype}: scales go "
+                             "with int8 caches only")  # fmt: skip
+        return None
+    if scale is None:
+        raise ValueError(f"{cache_name} is int8: pass its {name} (attnperf.quantize_kv's "
+                         "scales)")  # fmt: skip
+    if not isinstance(scale, Tensor) or scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be a float32 tensor, got {describe_type(scale)}")
+    head_dim = cache.shape[3]
+    groups = scale.shape[3] if scale.dim() == 4 else 0
+    if (
+        scale.dim() != 4
+        or tuple(scale.shape[:3]) != tuple(cache.shape[:3])
+        or (groups == 0 or head_dim % groups)
+    ):
+        raise ValueError(f"{name} must be {(*cache.shape[:3], 'E // G')} for {cache_name} of "
+                         f"shape {tuple(cache.shape)} (a group size G dividing E = {head_dim}), "
+                         f"got {tuple(scale.shape)}")  # fmt: skip
+    if scale.device != cache.device:
+        raise ValueError(f"{name} is on {scale.device} but {cache_name} is on {cache.device}")
+    return scale
+
+
+def quantize_kv(x: Tensor, *, group_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 codes of x (..., E), any float dtype: per group of G = group_size (E
+    when None; G must divide E) consecutive values along the last dim, scale = max|x| / 127
+    in float32 and codes = round-half-to-even(x / scale) clamped to [-127, 127]; a group of
+    zeros gets scale 0 and codes 0. Returns (codes (..., E) int8, scale (..., E // G)
+    float32): the group's values are codes * scale."""
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {describe_type(x)}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dim (..., E)")
+    head_dim = x.shape[-1]
+    if group_size is None:
+        group_size = head_dim
+    if isinstance(group_size, (bool, np.bool_)) or not isinstance(group_size, numbers.Integral):
+        raise TypeError(f"group_size must be an int or None, got {type(group_size).__name__}")
+    if group_size <= 0 or head_dim % group_size:
+        raise ValueError(f"group_size ({group_size}) must divide the last dim E = {head_dim}")
+    groups = x.detach().float().unflatten(-1, (head_dim // group_size, group_size))
+    scale = groups.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, 1.0)[..., None]
+    codes = torch.round(groups / safe).clamp(-127, 127).to(torch.int8)
+    return codes.flatten(-2), scale
+
+
+def dequantize_kv(codes: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """codes (..., E) int8 times their group's scale (..., E // G), in `dtype`."""
+    group = codes.shape[-1] // scale.shape[-1]
+    values = codes.float().unflatten(-1, (scale.shape[-1], group)) * scale[..., None]
+    return values.flatten(-2).to(dtype)
 
 
 def _check_heads(q_heads: int, kv_heads: int, what: str) -> None:
@@ -84,6 +156,7 @@ def prepare_varlen(
     max_seqlen_q: object, max_seqlen_k: object, *, is_causal: object = False,
     scale: object = None, window: object = None, softcap: object = None,
     alibi_slopes: object = None, align: object = "bottom_right", return_lse: object = False,
+    sinks: object = None,
 ) -> AttentionInputs:  # fmt: skip
     """Check an attention_varlen call and describe it as AttentionInputs: query
     (1, Hq, total_q, E), key/value (1, H, total_k, E) views of the packed tensors, the
@@ -114,6 +187,7 @@ def prepare_varlen(
         alibi_slopes=check_alibi_slopes(alibi_slopes, q, (count,), q_heads, count),
         return_lse=check_flag("return_lse", return_lse),
         sequences=Sequences.build(q_starts, q_lens, k_starts, k_lens, align, packed=True),
+        sinks=check_sinks(sinks, q.device, q_heads),
     )
     return AttentionInputs(
         query=q.transpose(0, 1).unsqueeze(0),
@@ -159,12 +233,16 @@ class KVCacheInputs:
     j // page_size]. cache_seqlens (B,) int64 on the CPU: rows filled before the append of
     k_new, v_new (B, Lnew, H, E) (or None). variant.sequences: each sequence's keys after
     the append (rows k_start .. k_start + k_len, k_start its left padding), bottom-right
-    aligned. num_splits: 0 lets the backend choose.
+    aligned. num_splits: 0 lets the backend choose. An int8 cache holds codes, with
+    k_scale, v_scale float32 (P, page_size, H, E // G) beside its pages (None for a float
+    cache): a cached row is codes * scale per group of G values.
     """
 
     query: Tensor
     k_pages: Tensor
     v_pages: Tensor
+    k_scale: Tensor | None
+    v_scale: Tensor | None
     block_table: Tensor
     cache_seqlens: Tensor
     k_new: Tensor | None
@@ -228,14 +306,25 @@ class KVCacheInputs:
         return self.block_table.shape[1] == 1 and self.k_pages.shape[0] == self.batch
 
     @property
+    def quantized(self) -> bool:
+        """Whether the cache holds int8 codes (with k_scale, v_scale)."""
+        return self.k_scale is not None
+
+    @property
     def kv_bytes(self) -> int:
-        """Bytes of K and V the call's sequences read, in fp32 (what the kernels compute in)."""
+        """Bytes of K and V the call's sequences read: int8 codes and their float32 scales,
+        else fp32 (what the kernels compute a float cache in)."""
         keys = int(self.sequences.table[:, 4].sum())
+        if self.quantized:
+            per_key = self.head_dim + self.value_dim + 4 * (self.k_scale.shape[3]
+                                                            + self.v_scale.shape[3])  # fmt: skip
+            return keys * self.kv_heads * per_key
         return keys * self.kv_heads * (self.head_dim + self.value_dim) * 4
 
     @property
     def needs_grad(self) -> bool:
-        tensors = (self.query, self.k_pages, self.v_pages, self.k_new, self.v_new)
+        tensors = (self.query, self.k_pages, self.v_pages, self.k_new, self.v_new,
+                   self.variant.sinks)  # fmt: skip
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
     def features(self) -> set[str]:
@@ -249,8 +338,10 @@ class KVCacheInputs:
             "softcap": variant.softcap is not None,
             "alibi": variant.alibi_slopes is not None,
             "lse": variant.return_lse,
+            "sinks": variant.sinks is not None,
             "gqa": self.q_heads != self.kv_heads,
             "kvcache_backward": self.needs_grad,
+            "kvcache_int8": self.quantized,
         }
         return {name for name, needed in wanted.items() if needed}
 
@@ -266,11 +357,22 @@ def prepare_kvcache(
     is_causal: object = True,
     scale: object = None, window: object = None, softcap: object = None,
     alibi_slopes: object = None, num_splits: object = 0, return_lse: object = False,
+    sinks: object = None, k_scale: object = None, v_scale: object = None,
 ) -> KVCacheInputs:  # fmt: skip
     """Check an attention_with_kvcache call, writing nothing. Raises TypeError or ValueError
     naming the argument."""
-    _check_tensors((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4,
-                   "(B, L, heads, head dim)")  # fmt: skip
+    quantized = _is_int8(k_cache) or _is_int8(v_cache)
+    if quantized:  # int8 codes: the caches are checked against each other, q alone
+        _check_tensors((("q", q),), 4, "(B, L, heads, head dim)")
+        _check_tensors((("k_cache", k_cache), ("v_cache", v_cache)), 4,
+                       "(pages or B, rows, heads, head dim)", dtypes=(torch.int8,))  # fmt: skip
+        if k_cache.device != q.device:
+            raise ValueError(f"k_cache is on {k_cache.device} but q is on {q.device}")
+    else:
+        _check_tensors((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4,
+                       "(B, L, heads, head dim)")  # fmt: skip
+    k_scale = _check_scale("k_scale", k_scale, k_cache, "k_cache")
+    v_scale = _check_scale("v_scale", v_scale, v_cache, "v_cache")
     batch, q_len, q_heads, head_dim = q.shape
     pages, page_size, kv_heads, _ = k_cache.shape
     if k_cache.shape[3] != head_dim:
@@ -288,7 +390,7 @@ def prepare_kvcache(
         if bool((leftpad > seqlens).any()):
             raise ValueError(f"cache_leftpad {leftpad.tolist()} must not exceed cache_seqlens "
                              f"{seqlens.tolist()}")  # fmt: skip
-    new_len = _new_keys(k_new, v_new, k_cache, v_cache, batch)
+    new_len = _new_keys(k_new, v_new, k_cache, v_cache, batch, q)
     lengths = seqlens + new_len
     if len(lengths) and int(lengths.max()) > capacity:
         b = int(lengths.argmax())
@@ -312,11 +414,14 @@ def prepare_kvcache(
         sequences=Sequences.build(
             zeros, q_lens, leftpad, lengths - leftpad, "bottom_right", packed=False
         ),
+        sinks=check_sinks(sinks, q.device, q_heads),
     )
     return KVCacheInputs(
         query=q.transpose(1, 2),
         k_pages=k_cache,
         v_pages=v_cache,
+        k_scale=k_scale,
+        v_scale=v_scale,
         block_table=table,
         cache_seqlens=seqlens,
         k_new=k_new,
@@ -377,13 +482,17 @@ def _cache_seqlens(name: str, value: object, batch: int) -> Tensor:
     return lengths
 
 
-def _new_keys(k_new: object, v_new: object, k_cache: Tensor, v_cache: Tensor, batch: int) -> int:
-    """The number of new keys per sequence (0 without)."""
+def _new_keys(
+    k_new: object, v_new: object, k_cache: Tensor, v_cache: Tensor, batch: int, q: Tensor
+) -> int:
+    """The number of new keys per sequence (0 without): of the cache's dtype, or of q's for
+    an int8 cache (quantized as they are written)."""
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     if k_new is None:
         return 0
-    _check_tensors((("k_cache", k_cache), ("k_new", k_new), ("v_new", v_new)), 4,
+    like = ("q", q) if _is_int8(k_cache) else ("k_cache", k_cache)
+    _check_tensors((like, ("k_new", k_new), ("v_new", v_new)), 4,
                    "(B, Lnew, H, head dim)")  # fmt: skip
     for name, new, cache in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
         expected = (batch, k_new.shape[1], *cache.shape[2:])
@@ -394,7 +503,8 @@ def _new_keys(k_new: object, v_new: object, k_cache: Tensor, v_cache: Tensor, ba
 
 
 def append_to_cache(inputs: KVCacheInputs) -> None:
-    """Write k_new, v_new into the caller's cache at cache_seqlens, in place."""
+    """Write k_new, v_new into the caller's cache at cache_seqlens, in place; into an int8
+    cache as quantize_kv's codes and scales, at the cache's group size."""
     if inputs.k_new is None or inputs.k_new.shape[1] == 0:
         return
     positions = inputs.cache_seqlens[:, None] + torch.arange(inputs.k_new.shape[1])
@@ -402,14 +512,25 @@ def append_to_cache(inputs: KVCacheInputs) -> None:
     pages = inputs.block_table.gather(1, positions // inputs.page_size)
     rows = positions % inputs.page_size
     with torch.no_grad():
-        inputs.k_pages[pages, rows] = inputs.k_new
-        inputs.v_pages[pages, rows] = inputs.v_new
+        if not inputs.quantized:
+            inputs.k_pages[pages, rows] = inputs.k_new
+            inputs.v_pages[pages, rows] = inputs.v_new
+            return
+        for new, codes, scale in ((inputs.k_new, inputs.k_pages, inputs.k_scale),
+                                  (inputs.v_new, inputs.v_pages, inputs.v_scale)):  # fmt: skip
+            group = codes.shape[3] // scale.shape[3]
+            codes[pages, rows], scale[pages, rows] = quantize_kv(new, group_size=group)
 
 
 def cached_keys(inputs: KVCacheInputs, b: int) -> tuple[Tensor, Tensor]:
-    """Sequence b's keys and values gathered from the pages: (H, S_b, E), (H, S_b, Ev)."""
+    """Sequence b's keys and values gathered from the pages: (H, S_b, E), (H, S_b, Ev);
+    an int8 cache's dequantized, in q's dtype."""
     start, length = inputs.variant.sequences.table[b, 3:5].tolist()
     positions = torch.arange(start, start + length, device=inputs.device)
     pages = inputs.block_table[b, positions // inputs.page_size]
     rows = positions % inputs.page_size
-    return inputs.k_pages[pages, rows].transpose(0, 1), inputs.v_pages[pages, rows].transpose(0, 1)
+    keys, values = inputs.k_pages[pages, rows], inputs.v_pages[pages, rows]
+    if inputs.quantized:
+        keys = dequantize_kv(keys, inputs.k_scale[pages, rows], inputs.dtype)
+        values = dequantize_kv(values, inputs.v_scale[pages, rows], inputs.dtype)
+    return keys.transpose(0, 1), values.transpose(0, 1)

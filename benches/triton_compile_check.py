@@ -11,11 +11,11 @@ pruning keeps) compiled instead of launched. It prints each kernel's shared memo
 the target's per-block limit and exits 1 if a kernel fails to compile or would not fit.
 Covered: fp16, bf16 and fp32 at head dims 64, 128 and 256 (forward configs and backward
 kernels), then masks, causal and ragged lengths at head dim 64, the variants (window,
-bottom-right, softcap, ALiBi, block layouts, the LSE) at head dims 64 and 256, and the
+bottom-right, softcap, ALiBi, block layouts, the LSE, sinks) at head dims 64 and 256, and the
 serving calls: packed varlen forward and backward, KV-cache split-K and merge kernels
-(contiguous and paged, GQA, with the variants) in each dtype at head dims 64 to 256; linear
-attention's forward and backward (scalar and per-key gates, the delta rule) at K = V = 64 to
-256.
+(contiguous and paged, GQA, with the variants, an int8 cache) in each dtype at head dims 64
+to 256; linear attention's forward and backward (scalar and per-key gates, the delta rule)
+at K = V = 64 to 256.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def calls(quick: bool):
         q, k, v = qkv(dtype, head_dim)
         return {
             "q": q, "k": k, "v": v, "is_causal": True, "window": (100, 0), "softcap": 30.0,
-            "alibi_slopes": torch.rand(2), "return_lse": True,
+            "alibi_slopes": torch.rand(2), "return_lse": True, "sinks": torch.randn(2),
             "block_mask": attnperf.block_mask(lambda b, h, i, j: j <= i, None, None, 256, 256),
         }  # fmt: skip
 
@@ -148,6 +148,8 @@ def calls(quick: bool):
 
 def serving_calls(quick: bool):
     """(label, "varlen" or "kvcache", arguments) of the serving calls to compile."""
+    import attnperf
+
     gen = torch.Generator().manual_seed(0)
     dtypes = {"fp16": DTYPES["fp16"]} if quick else DTYPES
     head_dims = (64,) if quick else (64, 128, 256)
@@ -159,7 +161,7 @@ def serving_calls(quick: bool):
             yield f"{name} E={head_dim} varlen", "varlen", {
                 "q": q, "k": k, "v": v, "cu_seqlens_q": lengths, "cu_seqlens_k": lengths,
                 "max_seqlen_q": 300, "max_seqlen_k": 300, "is_causal": True,
-                "window": (64, 0), "softcap": 30.0, "return_lse": True,
+                "window": (64, 0), "softcap": 30.0, "return_lse": True, "sinks": torch.randn(8),
             }  # fmt: skip
             query = torch.randn(3, 1, 8, head_dim, generator=gen).to(dtype)
             cache = torch.randn(3, 256, 2, head_dim, generator=gen).to(dtype)
@@ -173,6 +175,14 @@ def serving_calls(quick: bool):
                 "v_cache": pages, "cache_seqlens": torch.tensor([5, 100, 250]).int(),
                 "block_table": torch.arange(12).view(3, 4).int(), "num_splits": 3,
                 "window": (64, 0), "softcap": 30.0, "alibi_slopes": torch.rand(8),
+                "sinks": torch.randn(8),
+            }  # fmt: skip
+            k_codes, k_scale = attnperf.quantize_kv(cache, group_size=32)
+            v_codes, v_scale = attnperf.quantize_kv(cache)  # one scale per row
+            yield f"{name} E={head_dim} int8 decode", "kvcache", {
+                "q": query, "k_cache": k_codes, "v_cache": v_codes, "k_scale": k_scale,
+                "v_scale": v_scale,
+                "cache_seqlens": torch.tensor([5, 200, 256]).int(), "num_splits": 2,
             }  # fmt: skip
 
 

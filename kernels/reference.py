@@ -96,7 +96,11 @@ def reference_attention(
 
     # 3. Numerically stable softmax over the keys. A fully masked row has max -inf:
     #    shift it by 0 instead so its weights come out 0 (and its LSE -inf), not NaN.
-    if inputs.kv_len > 0:
+    #    Sinks are one more column of each row's scores, whose weight is dropped after.
+    if variant.sinks is not None:
+        sink_column = variant.sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat((scores, sink_column), -1)
+    if scores.shape[-1] > 0:
         row_max = scores.amax(dim=-1, keepdim=True).detach()
         row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
         exp_scores = torch.exp(scores - row_max)
@@ -105,6 +109,8 @@ def reference_attention(
         weights = exp_scores / torch.where(seen, row_sum, torch.ones_like(row_sum))
         log_sum = torch.log(torch.where(seen, row_sum, torch.ones_like(row_sum)))
         lse = torch.where(seen, row_max + log_sum, float("-inf")).squeeze(-1)
+        if variant.sinks is not None:
+            weights = weights[..., :-1]
     else:
         weights = scores  # no keys: (B, Hq, L, 0), and the output below is zeros
         lse = scores.new_full(scores.shape[:-1], float("-inf"))
@@ -238,7 +244,7 @@ def sequence_call(
         query, key, value, None, 0.0, inputs.is_causal, inputs.scale,
         query.shape[1] != key.shape[1], window=variant.window, softcap=variant.softcap,
         alibi_slopes=None if slopes is None else slopes[b], align=variant.align,
-        return_lse=variant.return_lse,
+        return_lse=variant.return_lse, sinks=variant.sinks,
     )  # fmt: skip
 
 

@@ -22,13 +22,14 @@ class SdpaBackend(Backend):
     description = "torch.nn.functional.scaled_dot_product_attention on 4-D views"
     # Window, alignment, ALiBi and block masks the way a user would today: materialised into
     # an L x S mask (the cost the fused kernels save); packed sequences and KV caches padded
-    # to a batch under such a mask. SDPA has no softcap and no LSE.
+    # to a batch under such a mask. SDPA has no softcap and no LSE, and reads no int8 cache
+    # (dequantizing it first would be a copy of the whole cache per step).
     capabilities = Capabilities(
         devices=("cpu", "cuda"),
         dtypes=SUPPORTED_DTYPES,
         max_head_dim=None,
         features=frozenset(FEATURES)
-        - {"softcap", "lse", "kvcache_backward", "linear", "linear_backward"},
+        - {"softcap", "lse", "kvcache_backward", "kvcache_int8", "linear", "linear_backward"},
     )
 
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, None]:
@@ -39,10 +40,14 @@ class SdpaBackend(Backend):
         # Inputs are already 4-D: torch's CPU flash kernel serves only 4-D calls,
         # 3-D and 5-D ones would silently take its slow math path.
         mask, is_causal = sdpa_mask(inputs)
+        key, value = inputs.key, inputs.value
+        if inputs.variant.sinks is not None:
+            key, value, mask = with_sink_column(inputs.variant.sinks, inputs.query, key, value,
+                                                mask)  # fmt: skip
         out = F.scaled_dot_product_attention(
             inputs.query,
-            inputs.key,
-            inputs.value,
+            key,
+            value,
             attn_mask=mask,
             dropout_p=inputs.dropout_p,
             is_causal=is_causal,
@@ -89,7 +94,8 @@ class SdpaBackend(Backend):
 def sees_whole_cache(inputs: KVCacheInputs) -> bool:
     """Whether every query row attends to all of its sequence's keys, unbiased: one token
     (bottom-right causal sees the whole cache) or no causality; no window, no ALiBi."""
-    plain = inputs.variant.window is None and inputs.variant.alibi_slopes is None
+    variant = inputs.variant
+    plain = variant.window is None and variant.alibi_slopes is None and variant.sinks is None
     return plain and (inputs.q_len == 1 or not inputs.is_causal)
 
 
@@ -128,7 +134,7 @@ def _loop_pays(inputs: AttentionInputs) -> bool:
     a careful user calls it: possible without a window, ALiBi or a shifted causal diagonal;
     chosen where the padding would waste more than the calls cost."""
     variant, table = inputs.variant, inputs.sequences.table
-    if variant.window is not None or variant.alibi_slopes is not None:
+    if variant.window is not None or variant.alibi_slopes is not None or variant.sinks is not None:
         return False
     if inputs.attn_mask is not None or inputs.dropout_p > 0:
         return False
@@ -178,10 +184,30 @@ def _ragged_sdpa(
     allowed, alibi = dense_masks(
         inputs, query.shape[2], key.shape[2], offsets, inputs.dtype, kv_lens
     )
+    mask = materialised_mask(inputs, allowed, alibi)
+    enable_gqa = query.shape[1] != key.shape[1]
+    if inputs.variant.sinks is not None:
+        key, value, mask = with_sink_column(inputs.variant.sinks, query, key, value, mask)
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=materialised_mask(inputs, allowed, alibi),
-        scale=inputs.scale, enable_gqa=query.shape[1] != key.shape[1],
-    )  # fmt: skip
+        query, key, value, attn_mask=mask, scale=inputs.scale, enable_gqa=enable_gqa
+    )
+
+
+def with_sink_column(
+    sinks: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(key, value, attn_mask) that give SDPA the sinks (Hq,), as a careful user of SDPA
+    gives them: one more key and value of zeros, whose score (0) the float mask's last
+    column raises to each query head's sink. The mask is (B, Hq, L, S + 1) in the query's
+    dtype, the call's own in front (a bool one as 0 / -inf); differentiable in the sinks."""
+    rows = query.shape[:3]
+    zero_key, zero_value = (t.new_zeros((*t.shape[:2], 1, t.shape[3])) for t in (key, value))
+    bias = torch.zeros((), dtype=query.dtype, device=query.device)
+    if mask is not None:
+        bias = mask if mask.is_floating_point() else torch.where(mask, bias, float("-inf"))
+    column = sinks.to(query.dtype)[:, None, None].expand(*rows, 1)
+    mask = torch.cat((bias.expand(*rows, key.shape[2]), column), -1)
+    return torch.cat((key, zero_key), 2), torch.cat((value, zero_value), 2), mask
 
 
 def sdpa_mask(inputs: AttentionInputs) -> tuple[Tensor | None, bool]:
@@ -190,7 +216,7 @@ def sdpa_mask(inputs: AttentionInputs) -> tuple[Tensor | None, bool]:
     is_causal, in its kernel; anything more materialised into one L x S mask, as a user of
     SDPA would build it."""
     variant = inputs.variant
-    if variant.alibi_slopes is None and variant.block_mask is None:
+    if variant.alibi_slopes is None and variant.block_mask is None and variant.sinks is None:
         if inputs.band is None:
             return inputs.attn_mask, False
         if inputs.band == (None, 0) and inputs.offset == 0 and inputs.attn_mask is None:

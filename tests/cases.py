@@ -173,6 +173,13 @@ def _random_tiles(case, gen):
     return _layout(fn)(case, gen)
 
 
+def _sinks(gain: float = 2.0):
+    def make(case, gen):
+        return torch.randn(case.q_heads, generator=gen) * gain
+
+    return make
+
+
 _DOCUMENTS = torch.tensor([0, 11, 12, 30, 50])  # a one-token document among them
 
 # Variant presets, each aimed at a distinct code path of the fused kernels (band edges
@@ -211,6 +218,14 @@ VARIANT_CASES = [
     Case("block_per_batch_and_head_gqa", q_heads=4, kv_heads=2, q_len=40, kv_len=50,
          variant={"block_mask": _per_batch_and_head, "return_lse": True}),
     Case("lse_bool_mask_empty_rows", mask="bool", variant={"return_lse": True}),
+    Case("sinks_gqa_causal", q_heads=4, kv_heads=2, is_causal=True,
+         variant={"sinks": _sinks(), "return_lse": True}),
+    Case("sinks_dominant_bool_mask", mask="bool",  # rows of no key: out 0, lse = sink
+         variant={"sinks": _sinks(20.0), "return_lse": True}),
+    Case("sinks_window_softcap_bottom_right", q_heads=4, kv_heads=1, q_len=45, kv_len=13,
+         is_causal=True, logit_gain=4.0, variant={
+             "sinks": _sinks(), "window": (3, 0), "softcap": 2.0, "align": "bottom_right",
+             "return_lse": True}),
     Case("everything_gqa", q_heads=4, kv_heads=2, is_causal=True, q_len=30, kv_len=60,
          logit_gain=4.0, variant={
              "window": (12, None), "align": "bottom_right", "softcap": 3.0,
@@ -230,7 +245,7 @@ PEER_DEVIATIONS = {
 }
 
 
-DIFFERENTIABLE = ("query", "key", "value", "attn_mask")
+DIFFERENTIABLE = ("query", "key", "value", "attn_mask", "sinks")
 
 
 def _leaves(args, cast):

@@ -92,6 +92,7 @@ def test_compiled_dropout_gradients_match_eager_under_the_same_seed(backend):
 
 COMPILED_VARIANTS = {
     "window_bottom_right": {"window": (3, None), "align": "bottom_right", "is_causal": True},
+    "sinks_lse": {"sinks": torch.randn(4), "is_causal": True, "return_lse": True},
     "softcap_alibi_lse": {"softcap": 2.0, "alibi_slopes": torch.rand(4), "return_lse": True},
     "block_mask": {
         "block_mask": attnperf.block_mask(
@@ -115,12 +116,16 @@ def declared(backend: str, variant: dict) -> bool:
 )  # fmt: skip
 def test_compiled_variants_match_eager(backend, name):
     """The variants pass through the custom op: forward, LSE and gradients (through the LSE
-    too) as in eager mode, without graph breaks."""
-    variant = COMPILED_VARIANTS[name]
+    too; the sinks' own) as in eager mode, without graph breaks."""
+    variant = dict(COMPILED_VARIANTS[name])
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 16, 8, generator=gen).requires_grad_()
     k, v = (torch.randn(2, 4, 20, 8, generator=gen).requires_grad_() for _ in range(2))
+    leaves = [q, k, v]
+    if "sinks" in variant:
+        variant["sinks"] = variant["sinks"].clone().requires_grad_()
+        leaves.append(variant["sinks"])
 
     def call(q, k, v):
         result = attnperf.attention(q, k, v, backend=backend, **variant)
@@ -131,8 +136,8 @@ def test_compiled_variants_match_eager(backend, name):
     (loss, out), (expected_loss, expected) = compiled(q, k, v), call(q, k, v)
     torch.testing.assert_close(out, expected)
     for grad, expected_grad in zip(
-        torch.autograd.grad(loss, (q, k, v)),
-        torch.autograd.grad(expected_loss, (q, k, v)),
+        torch.autograd.grad(loss, leaves),
+        torch.autograd.grad(expected_loss, leaves),
         strict=True,
     ):
         torch.testing.assert_close(grad, expected_grad)  # fmt: skip

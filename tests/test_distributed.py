@@ -76,12 +76,15 @@ RING_CASES = {
         dict(layout="zigzag", is_causal=True, dtype=torch.bfloat16),
         dict(layout="zigzag", is_causal=True, kv_heads=2, backend="reference"),
         dict(layout="contiguous", window=(5, 3), backend="reference"),
+        dict(layout="zigzag", is_causal=True, kv_heads=2, sinks=True),
+        dict(layout="contiguous", window=(5, 3), sinks=True, backend="reference"),
     ],
     4: [
         dict(layout="zigzag", is_causal=True, kv_heads=2),
         dict(layout="contiguous", is_causal=True),
         dict(layout="zigzag", window=(9, 4), softcap=2.0),
         dict(layout="zigzag", is_causal=True, dtype=torch.bfloat16, backend="reference"),
+        dict(layout="zigzag", window=(3, 0), sinks=True, dtype=torch.bfloat16),
     ],
 }
 
@@ -92,8 +95,10 @@ def check_agreement(rank: int, world: int) -> int:
     return len(RING_CASES[world])
 
 
-def check_case(world, layout, dtype=torch.float32, kv_heads=4, backend="numba", **variant):
-    """Forward, LSE and gradients (through both) of one case against the whole sequence."""
+def check_case(world, layout, dtype=torch.float32, kv_heads=4, backend="numba", sinks=False,
+               **variant):  # fmt: skip
+    """Forward, LSE and gradients (through both) of one case against the whole sequence;
+    with `sinks`, random sinks too, whose gradient is summed over the ranks."""
     length = 2 * world * CHUNK
     gen = torch.Generator().manual_seed(0)  # the same whole sequence on every rank
     q = (torch.randn(1, 4, length, 16, generator=gen) * 2).to(dtype)
@@ -101,26 +106,34 @@ def check_case(world, layout, dtype=torch.float32, kv_heads=4, backend="numba", 
             for _ in range(2))  # fmt: skip
     grad_out = torch.randn(1, 4, length, 16, generator=gen).to(dtype)
     grad_lse = torch.randn(1, 4, length, generator=gen)
+    sink_logits = [torch.randn(4, generator=gen) * 2] if sinks else []
 
     def shard(x):
         return distributed.shard_sequence(x, 2, layout=layout)
 
     leaves = [shard(t).requires_grad_() for t in (q, k, v)]
-    out, lse = distributed.ring_attention(*leaves, layout=layout, backend=backend,
-                                          return_lse=True, **variant)  # fmt: skip
+    leaves += [t.clone().requires_grad_() for t in sink_logits]
+    out, lse = distributed.ring_attention(*leaves[:3], layout=layout, backend=backend,
+                                          return_lse=True, sinks=(leaves[3:] or [None])[0],
+                                          **variant)  # fmt: skip
     ((out * shard(grad_out)).sum() + (lse * shard(grad_lse)).sum()).backward()
+    for leaf in leaves[3:]:  # each rank's rows' share
+        dist.all_reduce(leaf.grad)
     actual = [out, lse, *(leaf.grad for leaf in leaves)]
 
     def whole(reference, cast):
         tensors = [t.to(cast or t.dtype).requires_grad_() for t in (q, k, v)]
-        out, lse = reference(*tensors, enable_gqa=kv_heads != 4, return_lse=True, **variant)
+        tensors += [t.to(cast or t.dtype).requires_grad_() for t in sink_logits]
+        out, lse = reference(*tensors[:3], enable_gqa=kv_heads != 4, return_lse=True,
+                             sinks=(tensors[3:] or [None])[0], **variant)  # fmt: skip
         ((out * grad_out.to(out.dtype)).sum() + (lse * grad_lse.to(lse.dtype)).sum()).backward()
-        return [shard(t) for t in (out, lse, *(t.grad for t in tensors))]
+        grads = [shard(t.grad) for t in tensors[:3]] + [t.grad for t in tensors[3:]]
+        return [shard(out), shard(lse), *grads]
 
     exact = whole(float64_reference, torch.float64)
     baseline = whole(same_precision_reference, None)
-    for name, a, e, b in zip(("out", "lse", "dq", "dk", "dv"), actual, exact, baseline,
-                             strict=True):  # fmt: skip
+    names = ("out", "lse", "dq", "dk", "dv", "dsinks")
+    for name, a, e, b in zip(names, actual, exact, baseline, strict=False):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert_agrees(a, e, b, what=f"{name} of {layout} {backend} {variant} W={world}")
 

@@ -129,6 +129,18 @@ BAD_CALLS = {
     "slopes_other_device": (
         lambda: call(alibi_slopes=torch.rand(4, device="meta")), ValueError, "alibi_slopes is on"
     ),
+    "sinks_wrong_shape": (
+        lambda: call(sinks=torch.zeros(3)), ValueError, r"sinks must have shape \(Hq,\)"
+    ),
+    "sinks_per_batch": (lambda: call(sinks=torch.zeros(2, 4)), ValueError, "sinks must have shape"),
+    "sinks_integer": (
+        lambda: call(sinks=torch.zeros(4, dtype=torch.int64)),
+        TypeError, "sinks must be a floating-point tensor, got a torch.int64",
+    ),
+    "sinks_list": (lambda: call(sinks=[0.0] * 4), TypeError, "sinks must be a floating-point"),
+    "sinks_other_device": (
+        lambda: call(sinks=torch.zeros(4, device="meta")), ValueError, "sinks is on meta"
+    ),
     "align_unknown": (lambda: call(align="center"), ValueError, "align must be one of"),
     "return_lse_not_bool": (lambda: call(return_lse=1), TypeError, "return_lse must be a bool"),
     "block_mask_not_blockmask": (

@@ -30,6 +30,11 @@ PRESETS = {
         "q_len": 2, "new": 2, "window": (9, 0), "softcap": 3.0,
         "alibi_slopes": torch.rand(HEADS, generator=torch.Generator().manual_seed(5)),
     },
+    # Sinks, and a sequence of no key (cached 0, nothing appended): out 0, lse = sink.
+    "sinks_speculative": {
+        "q_len": 3, "new": 0,
+        "sinks": torch.randn(HEADS, generator=torch.Generator().manual_seed(6)) * 2,
+    },
 }  # fmt: skip
 
 
@@ -65,7 +70,9 @@ def paged(call: dict, seed: int = 1) -> dict:
     order = torch.randperm(batch * per_sequence + 3, generator=torch.Generator().manual_seed(seed))
     table = order[: batch * per_sequence].view(batch, per_sequence)
     result = dict(call, block_table=table.int().to(call["q"].device))
-    for name in ("k_cache", "v_cache"):
+    for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+        if call.get(name) is None:
+            continue
         cache = call[name]
         pool = torch.zeros(
             len(order), PAGE, *cache.shape[2:], dtype=cache.dtype, device=cache.device
@@ -93,7 +100,7 @@ def expected(fn, call: dict) -> tuple:
         if call["k_new"] is not None:
             keys = [torch.cat((keys[0], call["k_new"][b])), torch.cat((keys[1], call["v_new"][b]))]
         k, v = (t.transpose(0, 1)[None] for t in keys)
-        variant = {n: call[n] for n in ("window", "softcap") if n in call}
+        variant = {n: call[n] for n in ("window", "softcap", "sinks") if n in call}
         out, lse = fn(
             call["q"][b : b + 1].transpose(1, 2), k, v, is_causal=call.get("is_causal", True),
             enable_gqa=True, align="bottom_right", return_lse=True,
@@ -143,12 +150,16 @@ def test_kvcache_equals_attention_over_the_cached_keys(backend, preset, dtype):
     ids=lambda b: b.name,
 )  # fmt: skip
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 0])
-def test_split_k_results_agree_whatever_the_number_of_splits(backend, num_splits):
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_split_k_results_agree_whatever_the_number_of_splits(backend, num_splits, sinks):
     """1 (off), 2, more splits than some sequences have key tiles, 0 (chosen): merged by
-    their LSEs, the same result as one pass."""
+    their LSEs, the same result as one pass; the sinks applied once, after the merge."""
     if backend.unavailable_reason():
         pytest.skip(backend.unavailable_reason())
-    contiguous = cache_call(torch.float32, device_for(backend), q_len=2, new=2)
+    variant = (
+        {"sinks": torch.randn(HEADS, generator=torch.Generator().manual_seed(7))} if sinks else {}
+    )
+    contiguous = cache_call(torch.float32, device_for(backend), q_len=2, new=2, **variant)
     call = paged(contiguous)
     out, lse, _, _ = run(backend, call, num_splits=num_splits)
     single, _, _, _ = run(backend, call, num_splits=1)
@@ -243,6 +254,9 @@ BAD_CALLS = [
     ("leftpad", lambda c: dict(cache_leftpad=c["cache_seqlens"] + 1), ValueError,
      "cache_leftpad .* must not exceed"),
     ("softcap", lambda c: dict(softcap=0.0), ValueError, "softcap must be"),
+    ("sinks shape", lambda c: dict(sinks=torch.zeros(KV_HEADS)), ValueError, "sinks must have"),
+    ("sinks dtype", lambda c: dict(sinks=torch.zeros(HEADS, dtype=torch.int32)), TypeError,
+     "sinks must be a floating-point"),
     ("q dims", lambda c: dict(q=c["q"][0]), ValueError, "q must be"),
 ]  # fmt: skip
 
@@ -309,3 +323,161 @@ def test_numba_parallel_and_serial_walks_agree(num_splits, monkeypatch):
     monkeypatch.setattr(numba_kvcache, "PARALLEL_MIN_BYTES", 0)
     parallel, _, _, _ = run(numba, call, num_splits=num_splits)
     torch.testing.assert_close(parallel, serial, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- int8 caches
+def quantized(call: dict, k_group: int = HEAD_DIM, v_group: int = HEAD_DIM) -> dict:
+    """The same call over an int8 cache: quantize_kv's codes and scales of the float one."""
+    k_cache, k_scale = attnperf.quantize_kv(call["k_cache"], group_size=k_group)
+    v_cache, v_scale = attnperf.quantize_kv(call["v_cache"], group_size=v_group)
+    return dict(call, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
+
+
+def dequantized(call: dict) -> dict:
+    """What an int8 call means: attention over the dequantized cache, the new keys as they
+    are stored (quantized and dequantized), in q's dtype."""
+    result = {n: v for n, v in call.items() if n not in ("k_scale", "v_scale")}
+    for name, scale in (("k_cache", "k_scale"), ("v_cache", "v_scale")):
+        result[name] = attnperf.dequantize_kv(call[name], call[scale], call["q"].dtype)
+    group = {"k_new": HEAD_DIM // call["k_scale"].shape[3],
+             "v_new": HEAD_DIM // call["v_scale"].shape[3]}  # fmt: skip
+    for name in ("k_new", "v_new"):
+        if call.get(name) is not None:
+            codes, scale = attnperf.quantize_kv(call[name], group_size=group[name])
+            result[name] = attnperf.dequantize_kv(codes, scale, call["q"].dtype)
+    return result
+
+
+def test_quantize_kv_is_symmetric_per_group_round_half_even():
+    x = torch.tensor([[0.0, 1.27, -2.54, 0.5 * 2.54 / 127, 0.0, 0.0, 0.0, 0.0]])
+    codes, scale = attnperf.quantize_kv(x, group_size=4)
+    assert scale.dtype == torch.float32 and scale.shape == (1, 2)
+    torch.testing.assert_close(scale, torch.tensor([[2.54 / 127, 0.0]]))
+    assert codes.dtype == torch.int8
+    # 0.5 code units rounds to the even 0; a group of zeros: scale 0, codes 0.
+    assert codes.tolist() == [[0, 64, -127, 0, 0, 0, 0, 0]]
+    gen = torch.Generator().manual_seed(0)
+    for group in (None, 1, 8, 32):
+        x = torch.randn(3, 5, 32, generator=gen, dtype=torch.float64) * 4
+        codes, scale = attnperf.quantize_kv(x, group_size=group)
+        back = attnperf.dequantize_kv(codes, scale, torch.float64)
+        per_value = scale.repeat_interleave(32 // scale.shape[-1], -1).double()
+        assert ((back - x).abs() <= per_value / 2 + 1e-12).all(), group
+        assert codes.abs().max() == 127
+
+
+@pytest.mark.parametrize(
+    "group_size, error, match",
+    [(3, ValueError, "must divide the last dim E = 16"), (0, ValueError, "must divide"),
+     (2.0, TypeError, "group_size must be an int")],
+)  # fmt: skip
+def test_quantize_kv_refuses_a_group_size_that_does_not_divide_e(group_size, error, match):
+    with pytest.raises(error, match=match):
+        attnperf.quantize_kv(torch.randn(2, 16), group_size=group_size)
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        attnperf.quantize_kv(torch.zeros(2, 16, dtype=torch.int8))
+
+
+INT8_PRESETS = {
+    "decode_per_row": {"q_len": 1, "new": 1},
+    "speculative_groups_of_8_and_4": {"q_len": 3, "new": 3, "groups": (8, 4)},
+    "left_padded_window_sinks": {
+        "q_len": 1, "new": 1, "cache_leftpad": torch.tensor((0, 5, 10, 33)).int(),
+        "window": (20, 0), "softcap": 3.0, "groups": (4, 16),
+        "sinks": torch.randn(HEADS, generator=torch.Generator().manual_seed(8)),
+    },
+}  # fmt: skip
+
+
+def int8_call(dtype, device="cpu", groups=(HEAD_DIM, HEAD_DIM), **preset) -> dict:
+    return quantized(cache_call(dtype, device, **preset), *groups)
+
+
+def int8_params(dtypes):
+    return preset_params(INT8_PRESETS, dtypes,
+                         lambda *a, **k: prepare_kvcache(**int8_call(*a, **k)))  # fmt: skip
+
+
+@pytest.mark.parametrize("backend, preset, dtype", int8_params((torch.float32, torch.bfloat16)))
+def test_int8_cache_equals_attention_over_the_dequantized_cache(backend, preset, dtype):
+    """Contiguous and paged int8 caches (K and V with their own group sizes), the new keys
+    quantized as they are written: within 2x the error of attention over the dequantized
+    cache in q's precision, against float64; split-K agrees with one pass."""
+    call = int8_call(dtype, device_for(backend), **INT8_PRESETS[preset])
+    meaning = dequantized(call)
+    exact = expected(float64_reference, meaning)
+    baseline = expected(same_precision_reference, meaning)
+    for layout, layout_call in (("contiguous", call), ("paged", paged(call))):
+        layout_call = dict(
+            layout_call, **{n: layout_call[n].clone() for n in ("k_scale", "v_scale")}
+        )
+        out, lse, _, _ = run(backend, layout_call)
+        assert out.shape == call["q"].shape and out.dtype == dtype, layout
+        assert_agrees(out, exact[0], baseline[0], what=f"{layout} output")
+        if lse is not None:
+            assert_agrees(lse, exact[1], baseline[1], what=f"{layout} lse")
+    split, _, _, _ = run(backend, dict(call, k_scale=call["k_scale"].clone(),
+                                       v_scale=call["v_scale"].clone()), num_splits=3)  # fmt: skip
+    torch.testing.assert_close(split, out, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_int8_append_quantizes_exactly_the_new_rows_in_place(layout):
+    call = int8_call(torch.float32, q_len=2, new=2, groups=(8, 16))
+    call = paged(call) if layout == "paged" else call
+    tensors = [call[n] for n in ("k_cache", "k_scale", "v_cache", "v_scale")]
+    before = [t.clone() for t in tensors]
+    attnperf.attention_with_kvcache(**call, backend="reference")
+    for (codes, scale, new), old_codes, old_scale in zip(
+        ((tensors[0], tensors[1], call["k_new"]), (tensors[2], tensors[3], call["v_new"])),
+        before[0::2], before[1::2], strict=True,
+    ):  # fmt: skip
+        new_codes, new_scale = attnperf.quantize_kv(new, group_size=16 // old_scale.shape[3])
+        wanted_codes, wanted_scale = old_codes.clone(), old_scale.clone()
+        for b, cached in enumerate(CACHED):
+            for t in range(new.shape[1]):
+                position = cached + t
+                where = (
+                    (call["block_table"][b, position // PAGE], position % PAGE)
+                    if layout == "paged"
+                    else (b, position)
+                )
+                wanted_codes[where], wanted_scale[where] = new_codes[b, t], new_scale[b, t]
+        assert torch.equal(codes, wanted_codes) and torch.equal(scale, wanted_scale)
+
+
+INT8_BAD_CALLS = [
+    ("no scales", lambda c: dict(k_scale=None), ValueError, "k_cache is int8: pass its k_scale"),
+    ("scales of a float cache", lambda c: {n: c[n].float() for n in ("k_cache", "v_cache")},
+     ValueError, "k_scale is given but k_cache is torch.float32"),
+    ("scale shape", lambda c: dict(v_scale=c["v_scale"][:, :5]), ValueError, "v_scale must be"),
+    ("group not dividing E", lambda c: dict(k_scale=torch.ones(*c["k_scale"].shape[:3], 3)),
+     ValueError, r"a group size G dividing E = 16"),
+    ("integer scales", lambda c: dict(k_scale=c["k_scale"].int()), TypeError,
+     "k_scale must be a float32 tensor"),
+    ("one cache int8", lambda c: dict(v_cache=c["v_cache"].float(), v_scale=None), TypeError,
+     "v_cache must be int8"),
+    ("k_new of another dtype", lambda c: {n: c[n].double() for n in ("k_new", "v_new")},
+     TypeError, "k_new dtype"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, change, error, match", INT8_BAD_CALLS,
+                         ids=[b[0] for b in INT8_BAD_CALLS])  # fmt: skip
+def test_int8_bad_input_is_refused_naming_the_argument_and_nothing_is_written(
+    what, change, error, match
+):
+    call = int8_call(torch.float32, new=2)
+    call |= change(call)
+    tensors = [call[n] for n in ("k_cache", "v_cache", "k_scale", "v_scale") if call[n] is not None]
+    before = [t.clone() for t in tensors]
+    with pytest.raises(error, match=match):
+        attnperf.attention_with_kvcache(**call)
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+
+
+def test_sdpa_refuses_an_int8_cache_with_the_reason():
+    call = int8_call(torch.float32)
+    with pytest.raises(attnperf.BackendNotSupportedError, match="an int8 KV cache"):
+        attnperf.attention_with_kvcache(**call, backend="sdpa")
+    assert dispatch.select(prepare_kvcache(**call)).name != "sdpa"

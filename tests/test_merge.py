@@ -53,6 +53,32 @@ def test_chunks_merged_equal_attention_over_all_keys(backend, split):
         torch.testing.assert_close(a, b, **tolerance, msg=name)
 
 
+def test_sinks_applied_at_the_merge_equal_attention_with_sinks():
+    """Parts computed without the sinks, merged with them: the sinks counted once; a row no
+    part sees gives out 0 and lse = sink; the sinks' gradient as the reference's."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 9, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 4, 20, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(9, 20, generator=gen) > 0.4
+    mask[2] = False
+    sinks = (torch.randn(4, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    parts = [attnperf.attention(q, k[:, :, keys], v[:, :, keys], attn_mask=mask[:, keys],
+                                backend="reference", return_lse=True)
+             for keys in (slice(0, 7), slice(7, 20))]  # fmt: skip
+    out, lse = attnperf.merge_attention(*zip(*parts, strict=True), sinks=sinks)
+    whole = attnperf.attention(q, k, v, attn_mask=mask, backend="reference", return_lse=True,
+                               sinks=sinks)  # fmt: skip
+    torch.testing.assert_close(out, whole[0])
+    torch.testing.assert_close(lse, whole[1])
+    assert out[:, :, 2].eq(0).all() and torch.equal(lse[:, :, 2], sinks.detach().expand(2, 4))
+    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    merged = torch.autograd.grad((out * weights).sum() + lse.sum(), sinks)[0]
+    expected = torch.autograd.grad((whole[0] * weights).sum() + whole[1].sum(), sinks)[0]
+    torch.testing.assert_close(merged, expected)
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        attnperf.merge_attention([out], [lse], sinks=sinks[:3])
+
+
 def test_merge_of_only_empty_parts_is_zero_with_finite_gradients():
     outs = [torch.randn(3, 5, requires_grad=True) for _ in range(2)]
     lses = [torch.full((3,), float("-inf"), requires_grad=True) for _ in range(2)]

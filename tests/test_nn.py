@@ -184,6 +184,30 @@ def test_variant_options_reach_the_kernels(backend, options):
         assert not torch.allclose(out, plain(x, key_padding_mask=padding), atol=1e-3)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_learnable_sinks_reach_the_kernels_and_learn(backend):
+    """sinks=True: a (num_heads,) parameter in the state_dict, zeros at first, that changes
+    the output as the reference computes it and receives a gradient."""
+    torch.manual_seed(0)
+    module = SelfAttention(32, 4, num_kv_heads=2, causal=True, sinks=True, backend=backend)
+    assert module.state_dict()["sinks"].equal(torch.zeros(4))
+    x = torch.randn(2, 12, 32)
+    plain = module(x).detach()
+    with torch.no_grad():
+        module.sinks.copy_(torch.randn(4) * 2)
+    out = module(x)
+    assert not torch.allclose(out, plain, atol=1e-3)
+    out.square().sum().backward()
+    assert module.sinks.grad is not None and module.sinks.grad.abs().sum() > 0
+    expected = module.sinks.grad.clone()
+    module.zero_grad()
+    module.backend = "reference"
+    reference = module(x)
+    reference.square().sum().backward()
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(expected, module.sinks.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_alibi_slopes_are_the_standard_ones():
     assert alibi_slopes(8) == [2.0**-i for i in range(1, 9)]
     # 12 heads (BLOOM-style): the 8 of 8 heads, then every other one of 16 heads.

@@ -45,6 +45,16 @@ def gemma2(softcap=50.0, initializer_range=0.02):
     )  # fmt: skip
 
 
+def gpt_oss():
+    """Sinks in every layer, sliding (5 keys) and full layers in turn, experts."""
+    return transformers.GptOssConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=5, max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+
+
 def gpt2():
     return transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128)
 
@@ -54,6 +64,10 @@ def build(config, implementation):
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=implementation, dtype=torch.float32
     )
+    gen = torch.Generator().manual_seed(2)
+    for name, parameter in model.named_parameters():
+        if name.endswith("sinks"):  # drawn large enough to matter (initialised at ~0.02)
+            parameter.data = torch.randn(parameter.shape, generator=gen) * 2
     return model.eval()
 
 
@@ -65,6 +79,7 @@ CONFIGS = {
     "mistral-sliding": mistral,
     "gemma2-softcap50": gemma2,
     "gemma2-softcap1": lambda: gemma2(softcap=1.0, initializer_range=0.2),
+    "gpt-oss-sinks": gpt_oss,  # transformers runs it eager only (no SDPA, no CPU flex)
 }
 PEER = {name: "sdpa" if name in ("llama-gqa", "gpt2") else "eager" for name in CONFIGS}
 
@@ -245,3 +260,70 @@ def test_linear_attention_equals_transformers_fallbacks(function):
     actual = attnperf.linear_attention(q, k, v, **call, use_qk_l2norm=True)
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------- int8 KV cache
+def llama_e32():
+    """Head dim 32, so that an int8 row (32 codes and one float32 scale) is 28% of fp32's."""
+    return transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("group_size", [None, 8])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_cache_gives_the_float_cache_logits_within_3_percent(backend, group_size, monkeypatch):
+    """Teacher-forced: a left-padded prompt, then 6 given tokens one step at a time, on an
+    Int8KVCache and on transformers' DynamicCache; every step's logits within 3% of the
+    largest, each step served by attention_with_kvcache over the int8 codes."""
+    import attnperf.integrations.transformers as integration
+    from attnperf.integrations.transformers import Int8KVCache
+
+    steps = []
+    original = integration.attention_with_kvcache
+    monkeypatch.setattr(integration, "attention_with_kvcache",
+                        lambda *a, **k: steps.append(a[1].dtype) or original(*a, **k))  # fmt: skip
+    model = build(llama_e32(), register(f"attnperf-{backend}", backend=backend))
+    ids, mask = left_padded_batch()
+    forced = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(3))
+    int8 = Int8KVCache(model, 64, group_size=group_size)
+    caches = {"float": transformers.DynamicCache(), "int8": int8}
+    logits = {name: [] for name in caches}
+    with torch.no_grad():
+        for name, cache in caches.items():
+            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+            logits[name].append(out.logits[:, -1])
+            for t in range(forced.shape[1]):
+                mask_t = torch.cat((mask, torch.ones(2, t + 1, dtype=mask.dtype)), 1)
+                out = model(input_ids=forced[:, t : t + 1], attention_mask=mask_t,
+                            past_key_values=cache)  # fmt: skip
+                logits[name].append(out.logits[:, -1])
+    for step, (float_logits, int8_logits) in enumerate(zip(logits["float"], logits["int8"],
+                                                           strict=True)):  # fmt: skip
+        tolerance = 0.03 * float_logits.abs().max()
+        assert (int8_logits - float_logits).abs().max() <= tolerance, step
+        # The prefill attends over its own keys in float; the steps read the int8 codes.
+        assert torch.equal(int8_logits, float_logits) == (step == 0), step
+    assert steps.count(torch.int8) == forced.shape[1] * model.config.num_hidden_layers
+    fp32_bytes = 2 * 2 * 2 * 64 * 2 * 32 * 4  # layers, K and V, B, max_cache_len, H, E, fp32
+    group = group_size or 32  # codes and a float32 scale per group
+    assert int8.storage_bytes == fp32_bytes // 4 * (group + 4) // group
+    if group_size is None:
+        assert int8.storage_bytes <= 0.3 * fp32_bytes
+
+
+def test_int8_cache_generates_and_refuses_another_attention():
+    from attnperf.integrations.transformers import Int8KVCache
+
+    model = build(llama_e32(), register("attnperf-numba", backend="numba"))
+    ids, mask = left_padded_batch()
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        tokens = model.generate(ids, attention_mask=mask, past_key_values=Int8KVCache(model, 32),
+                                **kwargs)  # fmt: skip
+    assert tokens.shape == (2, 18)
+    with pytest.raises(ValueError, match="12 new keys exceed the Int8KVCache's max_cache_len = 8"):
+        model(input_ids=ids, attention_mask=mask, past_key_values=Int8KVCache(model, 8))
+    with pytest.raises(ValueError, match="Int8KVCache serves attnperf's attention"):
+        Int8KVCache(build(llama_e32(), "sdpa"), 64)

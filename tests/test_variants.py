@@ -56,6 +56,7 @@ FEATURE_CALLS = {
     "alibi": Case("f", variant={"alibi_slopes": lambda case, gen: torch.rand(case.q_heads)}),
     "block_mask": next(case for case in VARIANT_CASES if case.id == "block_causal"),
     "lse": Case("f", variant={"return_lse": True}),
+    "sinks": Case("f", variant={"sinks": lambda case, gen: torch.randn(case.q_heads) * 2}),
     "gqa": Case("f", q_heads=4, kv_heads=2),
     "dropout": Case("f", kwargs={"dropout_p": 0.5}),
     "backward": Case("f"),
@@ -64,7 +65,7 @@ FEATURE_CALLS = {
 
 # The serving calls' and linear attention's features are walked where those calls are
 # tested (test_varlen.py, test_kvcache.py, test_linear.py): `attention` cannot ask for them.
-OTHER_CALLS = {"varlen", "kvcache", "kvcache_backward", "linear", "linear_backward"}
+OTHER_CALLS = {"varlen", "kvcache", "kvcache_backward", "kvcache_int8", "linear", "linear_backward"}
 ATTENTION_FEATURES = [f for f in FEATURES if f not in OTHER_CALLS]
 
 

@@ -30,7 +30,9 @@ PRESETS = {
         "softcap": 2.0,
         "alibi_slopes": torch.rand(len(Q_LENS), HEADS, generator=torch.Generator().manual_seed(3)),
     },
-}
+    "causal_sinks": {"is_causal": True,
+                     "sinks": torch.randn(HEADS, generator=torch.Generator().manual_seed(4)) * 2},
+}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +74,7 @@ def per_sequence(fn, call: dict):
     for b in range(len(cq) - 1):
         q, k, v = (call[n][lo:hi].transpose(0, 1) for n, lo, hi in (
             ("q", cq[b], cq[b + 1]), ("k", ck[b], ck[b + 1]), ("v", ck[b], ck[b + 1])))  # fmt: skip
-        variant = {n: call[n] for n in ("window", "softcap") if n in call}
+        variant = {n: call[n] for n in ("window", "softcap", "sinks") if n in call}
         out, lse = fn(
             q, k, v, is_causal=call.get("is_causal", False), enable_gqa=True,
             align=call.get("align", "bottom_right"), return_lse=True,
@@ -105,7 +107,9 @@ def test_varlen_forward_and_lse_equal_a_loop_over_sequences(backend, preset, dty
 def _gradients(fn, call: dict, cast=None):
     call = dict(call)
     leaves = {}
-    for name in ("q", "k", "v"):
+    for name in ("q", "k", "v", "sinks"):
+        if name not in call:
+            continue
         tensor = call[name].detach()
         call[name] = leaves[name] = (tensor.to(cast) if cast else tensor).requires_grad_()
     out, lse = fn(call)
@@ -122,7 +126,7 @@ def _gradients(fn, call: dict, cast=None):
      if p.values[0] is None or "lse" in p.values[0].capabilities.features],
 )  # fmt: skip
 def test_varlen_gradients_equal_a_loop_over_sequences(backend, preset, dtype):
-    """dq, dk, dv through the output and the LSE."""
+    """dq, dk, dv (and dsinks) through the output and the LSE."""
     call = packed_call(dtype, device_for(backend), **PRESETS[preset])
     run = lambda c: attnperf.attention_varlen(**c, backend=backend.name, return_lse=True)  # noqa: E731
     actual = _gradients(run, call)

@@ -110,22 +110,45 @@ class DecodeCall:
         )  # fmt: skip
 
 
-class SdpaDecodeCall:
-    """torch's SDPA on DecodeCall's inputs, its cache moved to (B, H, S, E) (transformers'
-    layout), as its users call it: "rows", the query heads of each group packed as the rows
-    of their key/value head (exact: no mask for one token; for a speculative step the
-    bottom-right causal mask, tiled once per query head of the group), or "gqa",
-    enable_gqa=True (with the mask for a speculative step)."""
+class Int8DecodeCall:
+    """attention_with_kvcache of one fp32 query token over a full contiguous int8 cache:
+    quantize_kv's codes and scales of DecodeCall's keys, groups of `group_size` values
+    (None: one scale per row)."""
 
-    def __init__(self, form, batch, length, heads, kv_heads, head_dim, tokens=1):
-        self.args = (form, batch, length, heads, kv_heads, head_dim, tokens)
+    def __init__(self, batch, length, heads, kv_heads, head_dim, group_size=None):
+        self.args = (batch, length, heads, kv_heads, head_dim, group_size)
 
     def __call__(self) -> Callable[[], object]:
-        form, batch, length, heads, kv_heads, head_dim, tokens = self.args
+        batch, length, heads, kv_heads, head_dim, group_size = self.args
         gen = torch.Generator().manual_seed(0)
-        q = torch.randn(batch, tokens, heads, head_dim, generator=gen).transpose(1, 2)
+        q = torch.randn(batch, 1, heads, head_dim, generator=gen)
+        (k_cache, k_scale), (v_cache, v_scale) = (
+            attnperf.quantize_kv(torch.randn(batch, length, kv_heads, head_dim, generator=gen),
+                                 group_size=group_size)
+            for _ in range(2)
+        )  # fmt: skip
+        return lambda: attnperf.attention_with_kvcache(
+            q, k_cache, v_cache, length, k_scale=k_scale, v_scale=v_scale, backend="numba"
+        )
+
+
+class SdpaDecodeCall:
+    """torch's SDPA on DecodeCall's inputs (in `dtype`), its cache moved to (B, H, S, E)
+    (transformers' layout), as its users call it: "rows", the query heads of each group
+    packed as the rows of their key/value head (exact: no mask for one token; for a
+    speculative step the bottom-right causal mask, tiled once per query head of the group),
+    or "gqa", enable_gqa=True (with the mask for a speculative step)."""
+
+    def __init__(self, form, batch, length, heads, kv_heads, head_dim, tokens=1,
+                 dtype=torch.float32):  # fmt: skip
+        self.args = (form, batch, length, heads, kv_heads, head_dim, tokens, dtype)
+
+    def __call__(self) -> Callable[[], object]:
+        form, batch, length, heads, kv_heads, head_dim, tokens, dtype = self.args
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(batch, tokens, heads, head_dim, generator=gen).transpose(1, 2).to(dtype)
         k_cache, v_cache = (torch.randn(batch, length, kv_heads, head_dim, generator=gen)
-                            .transpose(1, 2).contiguous() for _ in range(2))  # fmt: skip
+                            .transpose(1, 2).contiguous().to(dtype) for _ in range(2))  # fmt: skip
         group = heads // kv_heads
         mask = None  # query token i sees the keys up to length - tokens + i
         if tokens > 1:

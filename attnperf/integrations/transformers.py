@@ -6,6 +6,7 @@ model.set_attn_implementation("attnperf")
 # or AutoModelForCausalLM.from_config(config, attn_implementation="attnperf")
 
 patch_linear_attention(model)  # its gated-delta-rule layers (Qwen3-Next, Qwen3.5, ...)
+model.generate(..., past_key_values=Int8KVCache(model, max_cache_len))  # an int8 KV cache
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from torch import Tensor
 from attnperf import dispatch
 from attnperf.api import attention, attention_with_kvcache, linear_attention
 from attnperf.inputs import prepare
-from attnperf.serving import padded_batch
+from attnperf.serving import dequantize_kv, padded_batch, quantize_kv
+
+try:  # the Int8KVCache classes derive from transformers' own; the rest imports it lazily
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError:  # without transformers there is no model to serve
+    Cache = CacheLayerMixin = object
 
 
 def attention_forward(
@@ -43,7 +49,8 @@ def attention_forward(
     transformers' SDPA mask (bool, True takes part), or None where the layer's own pattern
     suffices: causal, or a sliding window (`sliding_window=W`: W keys, the query's own
     included, bottom-right aligned as in cached generation), both in-kernel. `softcap`
-    (Gemma 2's attention logit softcapping) is applied in-kernel too.
+    (Gemma 2's attention logit softcapping) is applied in-kernel too, and so are `s_aux`,
+    gpt-oss's sinks (one logit per query head in each softmax's denominator).
 
     A mask that is exactly padding around each sequence's causal (or sliding) pattern is
     not applied as an L x S mask: the kernels are given each sequence's rows of real tokens
@@ -53,6 +60,9 @@ def attention_forward(
     """
     if kwargs.get("position_bias") is not None:
         raise ValueError("attnperf's transformers attention does not support position_bias")
+    step = getattr(key, "attnperf_int8_step", None)
+    if step is not None:  # an Int8KVCache's decoding step: its new keys only
+        return _int8_step(step, query, key, value, attention_mask, scaling, backend, **kwargs)
     sliding_window = kwargs.get("sliding_window")
     q_len = query.shape[2]
     causal_layer = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -61,7 +71,7 @@ def attention_forward(
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     # The mask, where there is one, holds the window too: no matter.
     window = None if sliding_window is None else (sliding_window - 1, 0)
-    softcap = kwargs.get("softcap")
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     ranges = None
     if causal_layer and dropout == 0.0:
         band = (None if window is None else window[0], 0)
@@ -80,13 +90,13 @@ def attention_forward(
             out = attention_with_kvcache(
                 query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), lengths,
                 cache_leftpad=leftpad, scale=scaling, window=window, softcap=softcap,
-                backend=backend,
+                backend=backend, sinks=sinks,
             )  # fmt: skip
             return out.contiguous(), None
         if not (every_query and every_key):
             inputs = prepare(
                 query, key, value, None, dropout, True, scaling, gqa, window=window,
-                softcap=softcap, align="bottom_right",
+                softcap=softcap, align="bottom_right", sinks=sinks,
             )  # fmt: skip
             out = dispatch.attend(padded_batch(inputs, *ranges), backend)
             return out.transpose(1, 2).contiguous(), None
@@ -94,7 +104,7 @@ def attention_forward(
     out = attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
         scale=scaling, enable_gqa=gqa, backend=backend, window=window, softcap=softcap,
-        align="bottom_right",
+        align="bottom_right", sinks=sinks,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
@@ -173,6 +183,140 @@ def register(name: str = "attnperf", backend: str = "auto") -> str:
     AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
     AttentionMaskInterface.register(name, mask_function)
     return name
+
+
+# ------------------------------------------------------------------------- int8 caches
+class Int8Layer(CacheLayerMixin):
+    """One layer of an Int8KVCache: K and V as int8 codes (B, max_cache_len, H, E) and
+    float32 scales (B, max_cache_len, H, E // G), preallocated at the first update."""
+
+    is_sliding = False
+
+    def __init__(self, max_cache_len: int, group_size: int | None):
+        super().__init__()
+        self.max_cache_len, self.group_size = max_cache_len, group_size
+        self.length = 0  # rows filled
+        self.pending = False  # a step handed to the attention, not yet written
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.codes, self.scales = [], []
+        for dim in (head_dim, value_states.shape[-1]):
+            group = self.group_size or dim
+            if dim % group:
+                raise ValueError(f"group_size ({group}) must divide the head dim {dim}")
+            shape = (batch, self.max_cache_len, heads)
+            self.codes.append(torch.zeros(*shape, dim, dtype=torch.int8, device=self.device))
+            self.scales.append(torch.zeros(*shape, dim // group, device=self.device))
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        """A prefill's (or a long chunk's) keys are quantized into the cache and returned for
+        attention over them in float (after the dequantized cache, if any); a step of up to
+        DECODE_QUERIES keys is returned as is, marked, for attnperf's attention to append
+        (quantized) and attend in one call."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending:
+            raise RuntimeError("an Int8KVCache step was not taken by attnperf's attention: "
+                               "run the model with attnperf's attn_implementation")  # fmt: skip
+        new = key_states.shape[2]
+        if self.length + new > self.max_cache_len:
+            raise ValueError(f"{self.length} cached + {new} new keys exceed the Int8KVCache's "
+                             f"max_cache_len = {self.max_cache_len}")  # fmt: skip
+        cached, self.length = self.length, self.length + new
+        if cached and new <= DECODE_QUERIES:
+            self.pending = True
+            key_states.attnperf_int8_step = (self, cached)
+            return key_states, value_states
+        rows = slice(cached, self.length)
+        for states, codes, scales in zip((key_states, value_states), self.codes, self.scales,
+                                         strict=True):  # fmt: skip
+            group = codes.shape[3] // scales.shape[3]
+            codes[:, rows], scales[:, rows] = quantize_kv(states.transpose(1, 2),
+                                                          group_size=group)  # fmt: skip
+        if cached == 0:
+            return key_states, value_states
+        filled = slice(0, self.length)
+        return tuple(dequantize_kv(codes[:, filled], scales[:, filled], self.dtype).transpose(1, 2)
+                     for codes, scales in zip(self.codes, self.scales, strict=True))  # fmt: skip
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.length, self.pending = 0, False
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of its codes and scales."""
+        tensors = (*self.codes, *self.scales) if self.is_initialized else ()
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Int8KVCache(Cache):
+    """A transformers Cache holding each layer's keys and values as int8 codes and float32
+    scales (attnperf.quantize_kv's rule, groups of `group_size` values, None: one scale per
+    row), preallocated to `max_cache_len` tokens: about a quarter of an fp32 cache's bytes.
+
+    Prefill keys and values are quantized once as they arrive (the prefill attends over
+    them in float); each decoding step's keys are appended by attention_with_kvcache's
+    quantizing write, which attends over the int8 cache in place. `model` must run on an
+    attention implementation registered by `register`:
+    `model.generate(..., past_key_values=Int8KVCache(model, max_cache_len))`.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_cache_len: int, *,
+                 group_size: int | None = None):  # fmt: skip
+        from transformers import AttentionInterface
+
+        name = model.config._attn_implementation
+        function = AttentionInterface._global_mapping.get(name)
+        if getattr(function, "func", None) is not attention_forward:
+            raise ValueError(f"Int8KVCache serves attnperf's attention; the model runs {name!r}: "
+                             "register() and set_attn_implementation first")  # fmt: skip
+        if (
+            isinstance(max_cache_len, bool)
+            or not isinstance(max_cache_len, int)
+            or (max_cache_len < 1)
+        ):
+            raise ValueError(f"max_cache_len must be an int >= 1, got {max_cache_len!r}")
+        count = model.config.get_text_config().num_hidden_layers
+        super().__init__(layers=[Int8Layer(max_cache_len, group_size) for _ in range(count)])
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of every layer's codes and scales."""
+        return sum(layer.storage_bytes for layer in self.layers)
+
+
+def _int8_step(step, query, key, value, attention_mask, scaling, backend, **kwargs):
+    """A decoding step over an Int8Layer: its new keys appended, quantized, and every query
+    row attending over the int8 cache (left padding as cache_leftpad)."""
+    layer, cached = step
+    q_len, kv_len = query.shape[2], cached + key.shape[2]
+    sliding_window = kwargs.get("sliding_window")
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    band = (None if window is None else window[0], 0)
+    ranges = padding_ranges(attention_mask, query.shape[0], q_len, kv_len, band)
+    if ranges is None or not bool((ranges[0] == 0).all() & (ranges[1] == q_len).all()):
+        raise ValueError("an Int8KVCache step serves causal masks with left padding only")
+    leftpad = None if attention_mask is None else ranges[2].int().to(query.device)
+    out = attention_with_kvcache(
+        query.transpose(1, 2), layer.codes[0], layer.codes[1], cached, key.transpose(1, 2),
+        value.transpose(1, 2), cache_leftpad=leftpad, scale=scaling, window=window,
+        softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"), backend=backend,
+        k_scale=layer.scales[0], v_scale=layer.scales[1],
+    )  # fmt: skip
+    layer.pending = False
+    return out.contiguous(), None
 
 
 # ---------------------------------------------------------------------- linear attention

@@ -23,6 +23,7 @@ from attnperf.kernels.numba.variant import (
     query_range,
     sequence,
     tile_structure,
+    with_sink,
 )
 
 # Tile sizes: of 64/128/256 x 128/256/512, 128 x 512 was as fast as any, causal or not,
@@ -73,7 +74,7 @@ def online_softmax_tiles(
 @njit(parallel=True, fastmath=FASTMATH)
 def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
-    2 ** (score - max); fp32 q, k, v with unit stride along E."""
+    2 ** (score - max), the sink's term included; fp32 q, k, v with unit stride along E."""
     q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], v.shape[3]
     group = q_heads // kv_heads
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
@@ -98,11 +99,11 @@ def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n
         )  # fmt: skip
         for r in range(rows):
             # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
-            inv = 1.0 / row_sum[r] if row_sum[r] != 0 else 0.0
+            row_max, total, inv = with_sink(variant, h, shift[r], row_sum[r])
             for e in range(value_dim):
                 out[slot, h, q0 + i0 + r, e] = acc[r, e] * inv
-            stats[slot, h, q0 + i0 + r, 0] = shift[r]
-            stats[slot, h, q0 + i0 + r, 1] = row_sum[r]
+            stats[slot, h, q0 + i0 + r, 0] = row_max
+            stats[slot, h, q0 + i0 + r, 1] = total
 
 
 @njit(fastmath=FASTMATH)
@@ -301,7 +302,9 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
     row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
     q, k, v = as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
-    no_work = not inputs.has_pairs  # then zeros: no key is seen
+    # Without pairs no key is seen: zeros (with sinks the kernel still writes each row's
+    # sink term).
+    no_work = not inputs.has_pairs and inputs.variant.sinks is None
     zero = no_work or inputs.has_padding  # nor by a padded batch's padding rows
     out, out_array = float32_array((*q.shape[:3], v.shape[3]), zero=zero)
     stats, stats_array = float32_array((*q.shape[:3], 2), zero=zero)

@@ -12,7 +12,13 @@ from attnperf.kernels.numba.attention import online_softmax_rescale
 from attnperf.kernels.numba.fastmath import LOG2E
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
 from attnperf.kernels.numba.launch import as_fp32, as_numpy, float32_array, run_parallel
-from attnperf.kernels.numba.variant import key_range, lower_variant, modify_scores, tile_structure
+from attnperf.kernels.numba.variant import (
+    key_range,
+    lower_variant,
+    modify_scores,
+    tile_structure,
+    with_sink,
+)
 from attnperf.serving import KVCacheInputs
 
 
@@ -100,16 +106,65 @@ def cached_values(p, page, head_major, first_row, cols, acc):
                 value_update(p[h], j, values[h], acc[h])
 
 
+@njit(fastmath=FASTMATH, inline="always")
+def quantized_key_scores(queries, codes, scales, s_head, j, scale2):
+    """s_head[r, j] <- scale2 * queries[r] . key for every query row r of one head, the key
+    int8 codes times one scale per group of E // scales.shape[0] of them: the codes are
+    dequantized in registers, a group's dot product scaled once."""
+    group = codes.shape[0] // scales.shape[0]
+    for r in range(queries.shape[0]):
+        query = queries[r]
+        total = np.float32(0.0)
+        for g in range(scales.shape[0]):
+            part = np.float32(0.0)
+            for e in range(g * group, (g + 1) * group):
+                part += query[e] * np.float32(codes[e])
+            total += part * scales[g]
+        s_head[r, j] = total * scale2
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def quantized_value_update(p_head, j, codes, scales, acc_head):
+    """acc_head[r] += p_head[r, j] * value for every query row r of one head, the value int8
+    codes times their groups' scales (each folded into the row's weight)."""
+    group = codes.shape[0] // scales.shape[0]
+    for r in range(acc_head.shape[0]):
+        out = acc_head[r]
+        for g in range(scales.shape[0]):
+            weight = p_head[r, j] * scales[g]
+            for e in range(g * group, (g + 1) * group):
+                out[e] += weight * np.float32(codes[e])
+
+
+@njit(fastmath=FASTMATH)
+def quantized_scores(q_rows, codes, scales, first_row, cols, s, scale2):
+    """cached_scores over an int8 page: codes (rows, H, E), scales (rows, H, groups)."""
+    for j in range(cols):
+        keys, key_scales = codes[first_row + j], scales[first_row + j]
+        for h in range(q_rows.shape[0]):
+            quantized_key_scores(q_rows[h], keys[h], key_scales[h], s[h], j, scale2)
+
+
+@njit(fastmath=FASTMATH)
+def quantized_values(p, codes, scales, first_row, cols, acc):
+    """cached_values over an int8 page: codes (rows, H, Ev), scales (rows, H, groups)."""
+    for j in range(cols):
+        values, value_scales = codes[first_row + j], scales[first_row + j]
+        for h in range(acc.shape[0]):
+            quantized_value_update(p[h], j, values[h], value_scales[h], acc[h])
+
+
 @njit(fastmath=FASTMATH)
 def kvcache_split(
-    q, k_pages, v_pages, head_major, block_table, variant, scale, block_n, partial_out,
-    partial_stats, b, split,
+    q, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale, block_n,
+    partial_out, partial_stats, b, split,
 ):  # fmt: skip
     """Split `split` of sequence b: split-K attention of q (B, Hq, Lq, E) over a paged KV
     cache (pages (P, page_size, H, E), or `head_major` (P, H, page_size, E), transformers'
     layout; block_table (B, pages)) for the s-th of equal chunks of the keys its rows see,
     into partial_out[split] (B, Hq, Lq, Ev), unnormalised, and partial_stats[split] (B, Hq,
-    Lq, 2), each row's base-2 max and sum.
+    Lq, 2), each row's base-2 max and sum. An int8 cache's pages hold codes, with k_scales,
+    v_scales (P, page_size, H, groups) beside them (empty for a float cache).
 
     It walks its keys in tiles, in memory order (see cached_scores; a head at a time over
     (rows, H, E) pages, its rows a page apart, defeats the prefetchers). The query rows of a
@@ -149,7 +204,11 @@ def kvcache_split(
         for j0 in range(k_first, k_end, block_n):
             cols = min(block_n, k_end - j0)
             first_row = k_start + j0 - page_start
-            cached_scores(q_rows, k_pages[page], head_major, first_row, cols, s, scale2)
+            if k_scales.shape[0]:
+                quantized_scores(q_rows, k_pages[page], k_scales[page], first_row, cols, s,
+                                 scale2)  # fmt: skip
+            else:
+                cached_scores(q_rows, k_pages[page], head_major, first_row, cols, s, scale2)
             structure = tile_structure(variant, b, 0, 0, q_len, j0, cols)
             for hk in range(kv_heads):
                 for g in range(group):
@@ -158,7 +217,10 @@ def kvcache_split(
                                   structure, no_dtanh)  # fmt: skip
                 online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk],
                                        row_sum[hk], shift[hk])  # fmt: skip
-            cached_values(s, v_pages[page], head_major, first_row, cols, acc)
+            if v_scales.shape[0]:
+                quantized_values(s, v_pages[page], v_scales[page], first_row, cols, acc)
+            else:
+                cached_values(s, v_pages[page], head_major, first_row, cols, acc)
         page_start += page_size
     for hk in range(kv_heads):
         for g in range(group):
@@ -171,23 +233,23 @@ def kvcache_split(
 
 @njit(parallel=True, fastmath=FASTMATH)
 def kvcache_forward_splits(
-    q, k_pages, v_pages, head_major, block_table, variant, scale, block_n, partial_out,
-    partial_stats,
+    q, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale, block_n,
+    partial_out, partial_stats,
 ):  # fmt: skip
     """Every (sequence, split) of kvcache_split, in parallel."""
     splits = partial_out.shape[0]
     for item in prange(q.shape[0] * splits):
         b, _, split = split_index(item, 1, splits)
         kvcache_split(
-            q, k_pages, v_pages, head_major, block_table, variant, scale, block_n,
-            partial_out, partial_stats, b, split,
+            q, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
+            block_n, partial_out, partial_stats, b, split,
         )  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
 def kvcache_forward_serial(
-    q, k_pages, v_pages, head_major, block_table, variant, scale, block_n, partial_out,
-    partial_stats,
+    q, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale, block_n,
+    partial_out, partial_stats,
 ):  # fmt: skip
     """Every (sequence, split) of kvcache_split on the calling thread: for steps too small
     to pay for waking numba's threads (see PARALLEL_MIN_BYTES)."""
@@ -195,15 +257,16 @@ def kvcache_forward_serial(
     for item in range(q.shape[0] * splits):
         b, _, split = split_index(item, 1, splits)
         kvcache_split(
-            q, k_pages, v_pages, head_major, block_table, variant, scale, block_n,
-            partial_out, partial_stats, b, split,
+            q, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
+            block_n, partial_out, partial_stats, b, split,
         )  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
-def merge_splits(partial_out, partial_stats, out, stats):
+def merge_splits(partial_out, partial_stats, variant, out, stats):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2) of the splits' partial softmaxes
-    combined exactly: merge_attention's rule in base 2, on unnormalised accumulators.
+    combined exactly: merge_attention's rule in base 2, on unnormalised accumulators; the
+    sinks, if any, applied once here.
 
     On the calling thread: a few microseconds of work, where waking numba's threads costs
     ~0.1 ms (its workqueue layer, 2-core AVX-512 machine).
@@ -226,10 +289,12 @@ def merge_splits(partial_out, partial_stats, out, stats):
                     total += part_sum * weight
                     for e in range(value_dim):
                         row[e] += weight * partial_out[split, b, h, t, e]
-            inverse = np.float32(1.0) / total if total > 0 else np.float32(0.0)
+            largest, total, inverse = with_sink(variant, h, largest if total > 0 else 0.0,
+                                                total)  # fmt: skip
+            inverse = np.float32(inverse)
             for e in range(value_dim):
                 row[e] *= inverse
-            stats[b, h, t, 0] = largest if total > 0 else 0.0
+            stats[b, h, t, 0] = largest
             stats[b, h, t, 1] = total
 
 
@@ -263,21 +328,33 @@ def _is_head_major(pages: Tensor) -> bool:
     return not pages.is_contiguous() and pages.transpose(1, 2).is_contiguous()
 
 
-def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
-    """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of a KV-cache call:
-    split-K over (batch, kv head, split) items, merged exactly."""
+def _pages(inputs: KVCacheInputs) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(k pages, v pages, head_major) as the kernel reads them: C-contiguous (P, rows, H, E),
+    or (P, H, rows, E) where the caller's float cache is a view of that (transformers' (B,
+    H, S, E)): read in place; an fp32 or int8 cache's own memory, other strides copied, an
+    fp16/bf16 cache converted to fp32 (a contiguous one's filled rows only)."""
     k_pages, v_pages = inputs.k_pages, inputs.v_pages
+    if inputs.quantized:
+        return as_numpy(k_pages.contiguous()), as_numpy(v_pages.contiguous()), False
     if inputs.contiguous and inputs.dtype != torch.float32:  # converted: only the filled rows
         filled = int((inputs.sequences.table[:, 3] + inputs.sequences.table[:, 4]).max())
         k_pages, v_pages = k_pages[:, :filled], v_pages[:, :filled]
-    # The kernel reads C-contiguous pages: (P, rows, H, E), or (P, H, rows, E) where the
-    # caller's cache is a view of that (transformers' (B, H, S, E)): read in place. Other
-    # strides are copied first.
     head_major = all(_is_head_major(t) for t in (k_pages, v_pages))
     if head_major:
         k_pages, v_pages = (t.transpose(1, 2) for t in (k_pages, v_pages))
-    q = as_fp32(inputs.query)
     k_pages, v_pages = (np.ascontiguousarray(as_fp32(t)) for t in (k_pages, v_pages))
+    return k_pages, v_pages, head_major
+
+
+def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
+    """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of a KV-cache call:
+    split-K over (batch, kv head, split) items, merged exactly."""
+    q = as_fp32(inputs.query)
+    k_pages, v_pages, head_major = _pages(inputs)
+    no_scales = np.zeros((0, 0, 0, 0), np.float32)
+    k_scales, v_scales = no_scales, no_scales
+    if inputs.quantized:  # read in place: codes and scales, C-contiguous
+        k_scales, v_scales = (as_numpy(t.contiguous()) for t in (inputs.k_scale, inputs.v_scale))
     threads = torch.get_num_threads()
     parallel = threads > 1 and inputs.kv_bytes >= PARALLEL_MIN_BYTES
     splits = kvcache_splits(inputs, threads if parallel else 1)
@@ -290,11 +367,11 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     if q.size:
         variant = lower_variant(inputs)
         table = as_numpy(inputs.block_table.cpu())
-        args = (q, k_pages, v_pages, head_major, table, variant, inputs.scale, DECODE_BLOCK_N,
-                partial_out, partial_stats)  # fmt: skip
+        args = (q, k_pages, v_pages, k_scales, v_scales, head_major, table, variant,
+                inputs.scale, DECODE_BLOCK_N, partial_out, partial_stats)  # fmt: skip
         if parallel:
             run_parallel(kvcache_forward_splits, *args)
         else:
             kvcache_forward_serial(*args)
-        merge_splits(partial_out, partial_stats, out_array, stats_array)
+        merge_splits(partial_out, partial_stats, variant, out_array, stats_array)
     return out.to(inputs.dtype), stats

@@ -22,12 +22,13 @@ MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 # ---------------------------------------------------------------------------- the variant
 # A call's variant lowered once (`lower_variant`) into one tuple that every kernel passes on:
 # (mask, mask_kind, left, right, sequences, softcap2, alibi2, kinds, partial_index, partial,
-#  block_q, block_k). The band is left/right around each row's diagonal i + offset
+#  block_q, block_k, sinks2). The band is left/right around each row's diagonal i + offset
 # (UNBOUNDED when open); sequences (B, 6) is attnperf.inputs.Sequences' table (slot, q_start,
 # q_len, k_start, k_len, offset), one row per batch entry for a plain call: row indices i, j
 # are within a sequence, its arrays' rows start at q_start, k_start of batch entry `slot`;
 # softcap2 = softcap * log2(e), 0 without; alibi2 (B, Hq) = slopes * log2(e), empty
-# without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without.
+# without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without; sinks2 (Hq,)
+# = sinks * log2(e), empty without.
 UNBOUNDED = 1 << 40
 SKIP, MASKED, UNMASKED = 0, 1, 2  # what a (query tile, key tile) needs from the structure
 
@@ -151,7 +152,7 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
             s[r, c] = -np.inf
         for c in range(max(right - distance + 1, 0), cols):
             s[r, c] = -np.inf
-    kinds, partial_index, partial, block_q, block_k = variant[7:]
+    kinds, partial_index, partial, block_q, block_k = variant[7:12]
     if block_q == 0:
         return
     for qb in range(i0 // block_q, (i0 + rows - 1) // block_q + 1):
@@ -167,6 +168,24 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
                     if kind == LAYOUT_EMPTY or not block[i0 + r - qb * block_q,
                                                          j0 + c - kb * block_k]:  # fmt: skip
                         s[r, c] = -np.inf
+
+
+@njit(fastmath=FASTMATH)
+def with_sink(variant, h, row_max, row_sum):
+    """(max, sum, normaliser) of a row's base-2 statistics (its max and sum of 2 ** (score
+    - max)) with head h's sink term 2 ** sink2 added to the sum, and the factor that turns
+    its unnormalised accumulator into the output (0 for a row of sum 0 without sinks; a row
+    that saw no key gets (sink2, 1, 0) with them)."""
+    sinks2 = variant[12]
+    if sinks2.shape[0] == 0:
+        return row_max, row_sum, 1.0 / row_sum if row_sum != 0 else 0.0
+    sink2 = sinks2[h]
+    if row_sum == 0:
+        return sink2, np.float32(1.0), 0.0
+    largest = max(row_max, sink2)
+    rescale = 2.0 ** np.float64(row_max - largest)
+    total = row_sum * rescale + 2.0 ** np.float64(sink2 - largest)
+    return largest, np.float32(total), rescale / total
 
 
 def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int]:
@@ -231,9 +250,12 @@ def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
         if partial.shape[0] == 0:
             partial = np.zeros((1, *layout.block_size), np.bool_)
         block_q, block_k = layout.block_size
+    sinks2 = np.zeros(0, np.float32)
+    if variant.sinks is not None:
+        sinks2 = as_numpy((variant.sinks.detach().float() * LOG2E).contiguous())
     return (
         mask, mask_kind,
         UNBOUNDED if left is None else left, UNBOUNDED if right is None else right,
         table[order].numpy(), softcap2, alibi2, kinds, partial_index, partial, block_q,
-        block_k,
+        block_k, sinks2,
     )  # fmt: skip

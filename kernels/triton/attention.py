@@ -32,15 +32,17 @@ from attnperf.kernels.triton.variant import (
     modify_scores,
     query_tile_range,
     sequence,
+    sink_args,
     tile_scores,
     tile_seen,
+    with_sink,
 )
 
 
 @autotune(
     configs=forward_configs(),
     key=["q_len_class", "kv_len_class", "head_dim", "value_dim", "MASK_KIND", "HAS_BAND",
-         "HAS_SOFTCAP", "HAS_ALIBI", "HAS_LAYOUT"],
+         "HAS_SOFTCAP", "HAS_ALIBI", "HAS_LAYOUT", "HAS_SINKS"],
     prune_configs_by={"early_config_prune": prune_forward_configs},
 )  # fmt: skip
 @(
@@ -55,14 +57,16 @@ def online_softmax_forward_kernel(
     smb, smh, smm, smn, sob, soh, som, sod,
     q_heads, group, q_rows, head_dim, value_dim, scale2, q_len_class, kv_len_class, kv_len_gcd,
     Sequences, left, right, softcap2, Alibi, Kinds, PartialIndex, Partial, lkb, lkh, lkq,
+    Sinks,
     MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_LAYOUT: tl.constexpr, LAYOUT_Q: tl.constexpr,
-    LAYOUT_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    LAYOUT_K: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
-    """Out (B, Hq, L, Ev) and Stats (B, Hq, L, 2), each row's base-2 max and sum, for one
-    query tile of one sequence (q_rows: the query array's L)."""
+    """Out (B, Hq, L, Ev) and Stats (B, Hq, L, 2), each row's base-2 max and sum (the
+    sink's term included), for one query tile of one sequence (q_rows: the query array's
+    L)."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
@@ -116,6 +120,9 @@ def online_softmax_forward_kernel(
                 )
                 acc = acc * alpha[:, None] + dot_pv(p, v, WIDEN_DOT, IEEE)
                 m_i = m_new
+    if HAS_SINKS:
+        m_i, l_i, rescale = with_sink(m_i, l_i, tl.load(Sinks + h))
+        acc = acc * rescale[:, None]
     # Rows that see no key (sum 0) give 0, and so does their backward (p = 2**s * 0).
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -342,7 +349,7 @@ def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     out_dtype = store_dtype(q.dtype)
     out = torch.empty((*q.shape[:3], inputs.value_dim), dtype=out_dtype, device=q.device)
     stats = torch.empty((*q.shape[:3], 2), dtype=torch.float32, device=q.device)
-    if not inputs.has_pairs:  # no key is seen
+    if not inputs.has_pairs and inputs.variant.sinks is None:  # no key is seen
         return out.zero_().to(q.dtype), stats.zero_()
     if inputs.has_padding:  # no kernel writes a padded batch's padding rows
         out.zero_(), stats.zero_()
@@ -357,7 +364,8 @@ def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
         *out.stride(), q_heads, q_heads // inputs.kv_heads, q_len, inputs.head_dim,
         inputs.value_dim, inputs.scale * LOG2E, next_power_of_2(longest),
         next_power_of_2(sequences.max_kv_len), math.gcd(*sequences.table[:, 4].tolist()),
-        **variant_args, MASK_KIND=mask_kind, **variant_flags, **kernel_flags(inputs),
+        **variant_args, **sink_args(inputs), MASK_KIND=mask_kind, **variant_flags,
+        **kernel_flags(inputs),
     )  # fmt: skip
     return out.to(q.dtype), stats
 

@@ -149,6 +149,26 @@ def modify_scores(
 
 
 @jit
+def with_sink(m_i, l_i, sink2):
+    """(max, sum, rescale) of rows' base-2 statistics with a sink term 2 ** sink2 added to
+    each sum, and the factor by which their accumulators shrink. Rows that saw no key (sum
+    0) get (sink2, 1, 0)."""
+    seen = l_i > 0
+    largest = tl.where(seen, tl.maximum(m_i, sink2), sink2)
+    rescale = tl.where(seen, tl.math.exp2(m_i - largest), 0.0)
+    return largest, l_i * rescale + tl.math.exp2(sink2 - largest), rescale
+
+
+def sink_args(inputs: AttentionInputs | KVCacheInputs) -> dict:
+    """The kernels' Sinks ((Hq,) sinks * log2(e), float32; a dummy without) and HAS_SINKS."""
+    sinks = inputs.variant.sinks
+    if sinks is None:
+        return {"Sinks": torch.zeros(1, dtype=torch.float32, device=inputs.device),
+                "HAS_SINKS": False}  # fmt: skip
+    return {"Sinks": (sinks.detach().float() * LOG2E).contiguous(), "HAS_SINKS": True}
+
+
+@jit
 def tile_scores(q, K, offs_n, kv_len, head_dim, scale2, skn, skd,
                 BLOCK_D: tl.constexpr, WIDEN_DOT: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     """scale * log2(e) * q k^T of one tile, in fp32."""
