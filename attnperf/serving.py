@@ -30,6 +30,9 @@ from attnperf.inputs import (
 )
 from attnperf.layouts import describe_type
 
+DTYPE_WORDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+               torch.float64: "fp64", torch.int8: "int8"}  # fmt: skip
+
 
 def _check_tensors(names_and_tensors, dims: int, layout: str, dtypes=SUPPORTED_DTYPES) -> None:
     """Each a dense tensor of `dims` dims, of one of `dtypes` (one dtype for all), on one
@@ -42,17 +45,12 @@ def _check_tensors(names_and_tensors, dims: int, layout: str, dtypes=SUPPORTED_D
             raise ValueError(f"{name} must be {layout} ({dims} dims), got shape "
                              f"{tuple(tensor.shape)}")  # fmt: skip
         if tensor.dtype not in dtypes:
-            names = {torch.int8: "int8", **{d: DTYPE_WORDS[d] for d in SUPPORTED_DTYPES}}
-            raise TypeError(f"{name} must be {' or '.join(names[d] for d in dtypes)}, got "
+            raise TypeError(f"{name} must be {' or '.join(DTYPE_WORDS[d] for d in dtypes)}, got "
                             f"{tensor.dtype}")  # fmt: skip
         if tensor.dtype != first.dtype:
             raise TypeError(f"{name} dtype {tensor.dtype} must match {first_name}'s {first.dtype}")
         if tensor.device != first.device:
             raise ValueError(f"{name} is on {tensor.device} but {first_name} is on {first.device}")
-
-
-DTYPE_WORDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-               torch.float64: "fp64"}  # fmt: skip
 
 
 def _is_int8(tensor: object) -> bool:

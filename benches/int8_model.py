@@ -68,8 +68,10 @@ def main() -> None:
         "sdpa DynamicCache fp32": ("sdpa", torch.float32, lambda m: transformers.DynamicCache()),
         "sdpa DynamicCache bf16": ("sdpa", torch.bfloat16, lambda m: transformers.DynamicCache()),
     }  # fmt: skip
-    if any(importlib.util.find_spec(p) for p in ("optimum.quanto", "hqq")):
-        backend = "quanto" if importlib.util.find_spec("optimum.quanto") else "hqq"
+    installed = [name for name, package in (("quanto", "optimum"), ("hqq", "hqq"))
+                 if importlib.util.find_spec(package)]  # fmt: skip
+    if installed:
+        backend = installed[0]
         runs[f"sdpa QuantizedCache ({backend}, int8)"] = (
             "sdpa", torch.float32,
             lambda m: transformers.QuantizedCache(backend=backend, config=m.config, nbits=8),

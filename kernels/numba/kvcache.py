@@ -107,33 +107,45 @@ def cached_values(p, page, head_major, first_row, cols, acc):
 
 
 @njit(fastmath=FASTMATH, inline="always")
+def code_dot(query, codes, start, count):
+    """query[start:start + count] . codes[start:start + count], the int8 codes widened in
+    registers (a loop of its own, which LLVM vectorises)."""
+    total = np.float32(0.0)
+    for e in range(count):
+        total += query[start + e] * np.float32(codes[start + e])
+    return total
+
+
+@njit(fastmath=FASTMATH, inline="always")
 def quantized_key_scores(queries, codes, scales, s_head, j, scale2):
     """s_head[r, j] <- scale2 * queries[r] . key for every query row r of one head, the key
-    int8 codes times one scale per group of E // scales.shape[0] of them: the codes are
-    dequantized in registers, a group's dot product scaled once."""
-    group = codes.shape[0] // scales.shape[0]
+    int8 codes times one scale per group of E // scales.shape[0] of them: each group's dot
+    product scaled once."""
+    groups = scales.shape[0]
+    group = codes.shape[0] // groups
     for r in range(queries.shape[0]):
-        query = queries[r]
         total = np.float32(0.0)
-        for g in range(scales.shape[0]):
-            part = np.float32(0.0)
-            for e in range(g * group, (g + 1) * group):
-                part += query[e] * np.float32(codes[e])
-            total += part * scales[g]
+        for g in range(groups):
+            total += code_dot(queries[r], codes, g * group, group) * scales[g]
         s_head[r, j] = total * scale2
+
+
+@njit(fastmath=FASTMATH, inline="always")
+def add_codes(out, weight, codes, start, count):
+    """out[start:start + count] += weight * codes[start:start + count], widened in registers."""
+    for e in range(count):
+        out[start + e] += weight * np.float32(codes[start + e])
 
 
 @njit(fastmath=FASTMATH, inline="always")
 def quantized_value_update(p_head, j, codes, scales, acc_head):
     """acc_head[r] += p_head[r, j] * value for every query row r of one head, the value int8
     codes times their groups' scales (each folded into the row's weight)."""
-    group = codes.shape[0] // scales.shape[0]
+    groups = scales.shape[0]
+    group = codes.shape[0] // groups
     for r in range(acc_head.shape[0]):
-        out = acc_head[r]
-        for g in range(scales.shape[0]):
-            weight = p_head[r, j] * scales[g]
-            for e in range(g * group, (g + 1) * group):
-                out[e] += weight * np.float32(codes[e])
+        for g in range(groups):
+            add_codes(acc_head[r], p_head[r, j] * scales[g], codes, g * group, group)
 
 
 @njit(fastmath=FASTMATH)
