@@ -9,17 +9,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from attnperf.inputs import AttentionInputs
+from attnperf.inputs import DTYPE_NAMES, AttentionInputs
 from attnperf.linear_inputs import LinearAttentionInputs
 from attnperf.serving import KVCacheInputs
-
-DTYPE_NAMES = {
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    torch.float64: "fp64",
-}
-
 
 # Every feature a call may need, with the words a refusal uses. A backend serves only what
 # it declares: a feature nobody declared is refused everywhere, with its reason.

@@ -14,6 +14,12 @@ from torch import Tensor
 from attnperf.layouts import BlockMask, describe_type
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPE_NAMES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+}
 ALIGNMENTS = ("top_left", "bottom_right")
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from attnperf.inputs import (
     ALIGNMENTS,
+    DTYPE_NAMES,
     SUPPORTED_DTYPES,
     AttentionInputs,
     Sequences,
@@ -30,8 +31,7 @@ from attnperf.inputs import (
 )
 from attnperf.layouts import describe_type
 
-DTYPE_WORDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-               torch.float64: "fp64", torch.int8: "int8"}  # fmt: skip
+DTYPE_WORDS = {**DTYPE_NAMES, torch.int8: "int8"}
 
 
 def _check_tensors(names_and_tensors, dims: int, layout: str, dtypes=SUPPORTED_DTYPES) -> None:

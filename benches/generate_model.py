@@ -52,6 +52,20 @@ def prefill_and_decode(model, ids: torch.Tensor, new: int) -> tuple[float, float
     return prefill, decode, out.logits[:, -1]
 
 
+def print_medians(times: dict[str, list[tuple[float, float]]], prompt: int, new: int,
+                  peer: str) -> None:  # fmt: skip
+    """Each model's median prefill and decode, and attnperf's tokens/s over `peer`'s."""
+    medians = {name: [statistics.median(t[i] for t in rounds) for i in (0, 1)]
+               for name, rounds in times.items()}  # fmt: skip
+    for name, (prefill, decode) in medians.items():
+        print(
+            f"  {name:9s} prefill {prefill:6.2f} s ({prompt / prefill:7.0f} tokens/s)  "
+            f"decode {decode / new * 1e3:6.1f} ms/token ({new / decode:5.1f} tokens/s)"
+        )
+    (pp, pd), (ap, ad) = medians[peer], medians["attnperf"]
+    print(f"  attnperf / {peer} tokens/s: prefill {pp / ap:.2f}x, decode {pd / ad:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["llama", "mistral"], default="llama")
@@ -76,15 +90,7 @@ def main() -> None:
     print(f"{args.model}, prompt {args.prompt}, {args.new} new tokens, fp32, "
           f"{torch.get_num_threads()} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}); "
           f"max |logits difference| {error:.1e}; medians of {args.rounds} rounds")  # fmt: skip
-    medians = {name: [statistics.median(t[i] for t in rounds) for i in (0, 1)]
-               for name, rounds in times.items()}  # fmt: skip
-    for name, (prefill, decode) in medians.items():
-        print(
-            f"  {name:9s} prefill {prefill:6.2f} s ({args.prompt / prefill:7.0f} tokens/s)  "
-            f"decode {decode / args.new * 1e3:6.1f} ms/token ({args.new / decode:5.1f} tokens/s)"
-        )
-    (sp, sd), (ap, ad) = medians["sdpa"], medians["attnperf"]
-    print(f"  attnperf / sdpa tokens/s: prefill {sp / ap:.2f}x, decode {sd / ad:.2f}x")
+    print_medians(times, args.prompt, args.new, "sdpa")
 
 
 if __name__ == "__main__":

@@ -16,11 +16,10 @@ round. The models' last logits are compared first (same weights).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import transformers
-from generate_model import prefill_and_decode  # benches/, the script's own folder
+from generate_model import prefill_and_decode, print_medians  # benches/, the script's own folder
 
 from attnperf.integrations.transformers import register
 from attnperf.machine import cpu_description
@@ -71,15 +70,7 @@ def main() -> None:
           f"fp32, {torch.get_num_threads()} threads, cpu {cpu['cpu_model']} "
           f"({cpu['vector_isa']}); max |logits difference| {error:.1e}; medians of "
           f"{args.rounds} rounds")  # fmt: skip
-    medians = {name: [statistics.median(t[i] for t in rounds) for i in (0, 1)]
-               for name, rounds in times.items()}  # fmt: skip
-    for name, (prefill, decode) in medians.items():
-        print(
-            f"  {name:9s} prefill {prefill:6.2f} s ({args.prompt / prefill:7.0f} tokens/s)  "
-            f"decode {decode / args.new * 1e3:6.1f} ms/token ({args.new / decode:5.1f} tokens/s)"
-        )
-    (ep, ed), (ap, ad) = medians["eager"], medians["attnperf"]
-    print(f"  attnperf / eager tokens/s: prefill {ep / ap:.2f}x, decode {ed / ad:.2f}x")
+    print_medians(times, args.prompt, args.new, "eager")
 
 
 if __name__ == "__main__":

@@ -63,14 +63,13 @@ def attention_forward(
     step = getattr(key, "attnperf_int8_step", None)
     if step is not None:  # an Int8KVCache's decoding step: its new keys only
         return _int8_step(step, query, key, value, attention_mask, scaling, backend, **kwargs)
-    sliding_window = kwargs.get("sliding_window")
     q_len = query.shape[2]
     causal_layer = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(q_len > 1 and attention_mask is None and causal_layer)
     if is_causal and key.shape[2] > q_len:  # a static cache's unused tail, as transformers does
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     # The mask, where there is one, holds the window too: no matter.
-    window = None if sliding_window is None else (sliding_window - 1, 0)
+    window = _window(kwargs)
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     ranges = None
     if causal_layer and dropout == 0.0:
@@ -112,6 +111,12 @@ def attention_forward(
 # Steps with at most this many queries per sequence (decoding, speculative decoding) read
 # the cache through attention_with_kvcache.
 DECODE_QUERIES = 8
+
+
+def _window(kwargs: dict) -> tuple[int, int] | None:
+    """transformers' `sliding_window=W` (W keys, the query's own included) as a window."""
+    sliding_window = kwargs.get("sliding_window")
+    return None if sliding_window is None else (sliding_window - 1, 0)
 
 
 def _wants_grad(*tensors: Tensor) -> bool:
@@ -302,8 +307,7 @@ def _int8_step(step, query, key, value, attention_mask, scaling, backend, **kwar
     row attending over the int8 cache (left padding as cache_leftpad)."""
     layer, cached = step
     q_len, kv_len = query.shape[2], cached + key.shape[2]
-    sliding_window = kwargs.get("sliding_window")
-    window = None if sliding_window is None else (sliding_window - 1, 0)
+    window = _window(kwargs)
     band = (None if window is None else window[0], 0)
     ranges = padding_ranges(attention_mask, query.shape[0], q_len, kv_len, band)
     if ranges is None or not bool((ranges[0] == 0).all() & (ranges[1] == q_len).all()):
