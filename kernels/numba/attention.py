@@ -10,10 +10,20 @@ import torch
 from torch import Tensor
 
 from attnperf.inputs import AttentionInputs
-from attnperf.kernels.numba.blas import gemm
 from attnperf.kernels.numba.fastmath import LOG2E, exp2_shifted, row_maximum
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
 from attnperf.kernels.numba.launch import as_fp32, as_numpy, float32_array, run_parallel
+from attnperf.kernels.numba.microkernels import (
+    BF16,
+    FP32,
+    LANES,
+    pack_key_panels,
+    pack_vnni,
+    tile_product,
+    tile_route,
+    to_bf16,
+)
+from attnperf.kernels.numba.tiles import OWN_TILES, product, tiles_flag
 from attnperf.kernels.numba.variant import (
     SKIP,
     key_tiles,
@@ -65,10 +75,10 @@ def online_softmax_tiles(
     i0 + rows - 1 (q_tile) of head h, over the key tiles they see of k, v (S, E)."""
     no_dtanh = np.empty((0, 0), np.float32)
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-        gemm(q_tile, k[j0 : j0 + cols], s[:, :cols], scale2, 0.0, False, True)
+        product(q_tile, k[j0 : j0 + cols], s[:, :cols], scale2, 0.0, False, True, variant[13])
         modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
         online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
-        gemm(s[:, :cols], v[j0 : j0 + cols], acc, 1.0, 1.0, False, False)
+        product(s[:, :cols], v[j0 : j0 + cols], acc, 1.0, 1.0, False, False, variant[13])
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -106,6 +116,94 @@ def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n
             stats[slot, h, q0 + i0 + r, 1] = total
 
 
+@njit(parallel=True, fastmath=FASTMATH)
+def pack_operands(k, v, variant, key_panels, value_pairs):
+    """Each sequence's keys and values packed once for the micro-kernels, per (sequence,
+    kv head): key_panels (NS, Hk, S16, depth, 16 w) as `pack_key_panels`, and for bf16
+    value_pairs (NS, Hk, ceil(S / 2), 2 Ev) as `pack_vnni` (empty for fp32: V is read in
+    place). A sequence starts at a panel, whatever its offset in k and v."""
+    kv_heads = k.shape[1]
+    for item in prange(variant[4].shape[0] * kv_heads):
+        b, hk, _ = split_index(item, kv_heads, 1)
+        slot, _, _, k0, kv_len = sequence(variant, b)
+        pack_key_panels(k[slot, hk, k0 : k0 + kv_len], key_panels[b, hk])
+        if value_pairs.shape[0] > 0:
+            pack_vnni(v[slot, hk, k0 : k0 + kv_len], value_pairs[b, hk])
+
+
+@njit(fastmath=FASTMATH)
+def round_probabilities(p, p16, rows, cols):
+    """p16[:rows, :cols] <- P rounded to bf16 (FlashAttention's practice before P V), a zero
+    after an odd last column so that the column pairs are whole."""
+    for r in range(rows):
+        p_row, p16_row = p[r], p16[r]
+        for c in range(cols):
+            p16_row[c] = to_bf16(p_row[c])
+        if cols % 2:
+            p16_row[cols] = 0
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def packed_forward(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
+                   block_n):  # fmt: skip
+    """online_softmax_forward on our micro-kernels over packed keys: fp32 (q, v float32) or
+    bf16 (q, v bf16 bits, values packed in pairs, P rounded to bf16 before P V; E even).
+    Scores, softmax and accumulation in fp32."""
+    bf16 = value_pairs.shape[0] > 0
+    q_heads, kv_heads, value_dim = q.shape[1], key_panels.shape[1], v.shape[3]
+    group = q_heads // kv_heads
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
+    scale2 = np.float32(scale * LOG2E)
+    depth, panel_size = key_panels.shape[3], key_panels.shape[3] * key_panels.shape[4]
+    q_strides = (q.strides[0] // q.itemsize, q.strides[1] // q.itemsize, q.strides[2] // q.itemsize)
+    v_strides = (v.strides[0] // v.itemsize, v.strides[1] // v.itemsize, v.strides[2] // v.itemsize)
+    panels = key_panels.shape[2]
+    for item in prange(variant[4].shape[0] * q_heads * q_tiles):
+        b, h, tile = split_index(item, q_heads, q_tiles)
+        slot, q0, q_len, k0, kv_len = sequence(variant, b)
+        i0 = tile * block_m
+        rows = min(block_m, q_len - i0)
+        if rows <= 0:  # past this sequence's end
+            continue
+        s = np.empty((rows, block_n), np.float32)
+        p16 = np.empty((rows, block_n + 1 if bf16 else 0), np.uint16)
+        acc = np.zeros((rows, value_dim), np.float32)
+        row_max = np.full(rows, -np.inf, np.float32)
+        row_sum = np.zeros(rows, np.float32)
+        shift = np.zeros(rows, np.float32)
+        hk = h // group
+        q_at = slot * q_strides[0] + h * q_strides[1] + (q0 + i0) * q_strides[2]
+        q_view = (q, q_at, q_strides[2], 1)
+        acc_view = (acc, 0, value_dim)
+        no_dtanh = np.empty((0, 0), np.float32)
+        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+            keys_at = ((b * kv_heads + hk) * panels + j0 // LANES) * panel_size
+            keys_view = (key_panels, keys_at, key_panels.shape[4], panel_size)
+            tile_product(depth, scale2, 0.0, q_view, keys_view, (s, 0, block_n), rows, cols)
+            modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
+            online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
+            if bf16:
+                round_probabilities(s, p16, rows, cols)
+                pairs_at = (b * kv_heads + hk) * value_pairs.shape[2] + j0 // 2
+                values_view = (value_pairs, pairs_at * 2 * value_dim, 2 * value_dim, 2 * LANES)
+                p_view = (p16, 0, block_n + 1, 1)
+                tile_product(
+                    (cols + 1) // 2, 1.0, 1.0, p_view, values_view, acc_view, rows, value_dim
+                )
+            else:
+                v_at = slot * v_strides[0] + hk * v_strides[1] + (k0 + j0) * v_strides[2]
+                values_view = (v, v_at, v_strides[2], LANES)
+                tile_product(
+                    cols, 1.0, 1.0, (s, 0, block_n, 1), values_view, acc_view, rows, value_dim
+                )
+        for r in range(rows):
+            row_max, total, inv = with_sink(variant, h, shift[r], row_sum[r])
+            for e in range(value_dim):
+                out[slot, h, q0 + i0 + r, e] = acc[r, e] * inv
+            stats[slot, h, q0 + i0 + r, 0] = row_max
+            stats[slot, h, q0 + i0 + r, 1] = total
+
+
 @njit(fastmath=FASTMATH)
 def probabilities(q_tile, k_tile, p, dtanh, variant, b, h, i0, j0, structure, scale2, stats):
     """p[:rows, :cols] <- P of one (query tile, key tile), from the rows' saved max and sum
@@ -116,7 +214,7 @@ def probabilities(q_tile, k_tile, p, dtanh, variant, b, h, i0, j0, structure, sc
     to vectorise (a [:rows, :cols] view's rows are not typed so).
     """
     rows, cols = q_tile.shape[0], k_tile.shape[0]
-    gemm(q_tile, k_tile, p[:rows, :cols], scale2, 0.0, False, True)
+    product(q_tile, k_tile, p[:rows, :cols], scale2, 0.0, False, True, variant[13])
     modify_scores(p, variant, b, h, i0, j0, rows, cols, structure, dtanh)
     for r in range(rows):
         total = stats[i0 + r, 1]
@@ -176,7 +274,7 @@ def attention_backward_dq(
                 q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
                 stats[slot, h, q0 : q0 + q_len],
             )  # fmt: skip
-            gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
+            product(do_tile, v_tile, ds, 1.0, 0.0, False, True, variant[13])
             score_gradients(
                 p_buffer, ds_buffer, delta[slot, h, q0 + i0 : q0 + i0 + rows], rows, cols
             )
@@ -184,7 +282,16 @@ def attention_backward_dq(
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
             if softcapped:
                 through_softcap(ds_buffer, dtanh, rows, cols)
-            gemm(ds, k_tile, dq[slot, h, q0 + i0 : q0 + i0 + rows], scale, 1.0, False, False)
+            product(
+                ds,
+                k_tile,
+                dq[slot, h, q0 + i0 : q0 + i0 + rows],
+                scale,
+                1.0,
+                False,
+                False,
+                variant[13],
+            )
 
 
 @njit(fastmath=FASTMATH)
@@ -219,16 +326,16 @@ def key_tile_gradients(
                 q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
                 stats[slot, h, q0 : q0 + q_len],
             )  # fmt: skip
-            gemm(p, do_tile, dv_tile, 1.0, 1.0, True, False)
-            gemm(do_tile, v_tile, ds, 1.0, 0.0, False, True)
+            product(p, do_tile, dv_tile, 1.0, 1.0, True, False, variant[13])
+            product(do_tile, v_tile, ds, 1.0, 0.0, False, True, variant[13])
             score_gradients(p_buffer, ds_buffer, delta[slot, h, queries], rows, cols)
             if want_dmask:  # plain calls only: slot b, no row offsets
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
             if softcapped:
                 through_softcap(ds_buffer, dtanh, rows, cols)
-            gemm(ds, q_tile, dk_tile, scale, 1.0, True, False)
+            product(ds, q_tile, dk_tile, scale, 1.0, True, False, variant[13])
             if with_dq:
-                gemm(ds, k_tile, dq[slot, h, queries], scale, 1.0, False, False)
+                product(ds, k_tile, dq[slot, h, queries], scale, 1.0, False, False, variant[13])
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -301,7 +408,8 @@ def softmax_delta(out, grad_out, stats, grad_lse, delta):
 def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
     row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
-    q, k, v = as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
+    kind = forward_kind(inputs)
+    q, k, v = operands(inputs, kind)
     # Without pairs no key is seen: zeros (with sinks the kernel still writes each row's
     # sink term).
     no_work = not inputs.has_pairs and inputs.variant.sinks is None
@@ -309,11 +417,61 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     out, out_array = float32_array((*q.shape[:3], v.shape[3]), zero=zero)
     stats, stats_array = float32_array((*q.shape[:3], 2), zero=zero)
     if not no_work:
-        run_parallel(
-            online_softmax_forward, q, k, v, lower_variant(inputs), inputs.scale, out_array,
-            stats_array, *tile_sizes(inputs),
-        )  # fmt: skip
-    return out.to(inputs.dtype), stats
+        variant = lower_variant(inputs)
+        if kind is None:
+            run_parallel(
+                online_softmax_forward, q, k, v, variant, inputs.scale, out_array, stats_array,
+                *tile_sizes(inputs),
+            )  # fmt: skip
+        else:
+            key_panels, value_pairs = packed_operands(k, v, variant, kind)
+            run_parallel(
+                packed_forward, q, key_panels, v, value_pairs, variant, inputs.scale,
+                out_array, stats_array, *tile_sizes(inputs),
+            )  # fmt: skip
+    # A bf16 call of odd E ran on a zero column more (its pairs whole).
+    return out[..., : inputs.value.shape[3]].to(inputs.dtype), stats
+
+
+def forward_kind(inputs: AttentionInputs) -> int | None:
+    """The forward's micro-kernel kind: BF16 for bf16 inputs where the CPU has the bf16 dot
+    product, FP32 where our fp32 tiles serve, None for BLAS tiles."""
+    if inputs.dtype == torch.bfloat16 and tile_route("bf16")[0] == "avx512-bf16":
+        return BF16
+    return FP32 if tiles_flag() == OWN_TILES else None
+
+
+def bf16_bits(tensor: Tensor) -> np.ndarray:
+    """A bf16 tensor's bits as a uint16 array (numpy has no bf16), contiguous along E,
+    zero-padded to an even E (the micro-kernel takes depth in pairs)."""
+    tensor = tensor.detach()
+    if tensor.shape[-1] % 2:
+        tensor = torch.nn.functional.pad(tensor, (0, 1))
+    if tensor.stride(-1) != 1:
+        tensor = tensor.contiguous()
+    return as_numpy(tensor.view(torch.int16)).view(np.uint16)
+
+
+def operands(inputs: AttentionInputs, kind: int | None) -> tuple[np.ndarray, ...]:
+    """q, k, v as the forward's kernel takes them: bf16 bits for BF16, fp32 otherwise."""
+    if kind == BF16:
+        return bf16_bits(inputs.query), bf16_bits(inputs.key), bf16_bits(inputs.value)
+    return as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
+
+
+def packed_operands(k, v, variant, kind) -> tuple[np.ndarray, np.ndarray]:
+    """Keys in panels and (bf16) values in pairs, packed once per call (`pack_operands`)."""
+    count, kv_heads, dim = variant[4].shape[0], k.shape[1], k.shape[3]
+    width = LANES * (1 if kind == FP32 else 2)
+    depth = dim if kind == FP32 else (dim + 1) // 2
+    longest_keys = longest(variant, 4)
+    panels = (longest_keys + LANES - 1) // LANES
+    dtype = np.float32 if kind == FP32 else np.uint16
+    key_panels = np.empty((count, kv_heads, panels, depth, width), dtype)
+    pairs_shape = (count, kv_heads, (longest_keys + 1) // 2, 2 * v.shape[3])
+    value_pairs = np.empty(pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
+    run_parallel(pack_operands, k, v, variant, key_panels, value_pairs)
+    return key_panels, value_pairs
 
 
 def tile_sizes(inputs: AttentionInputs, backward: bool = False) -> tuple[int, int]:

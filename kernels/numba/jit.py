@@ -9,6 +9,7 @@ try:
     import scipy  # noqa: F401  (scipy's BLAS serves when torch exports no sgemm)
     from llvmlite import binding as llvm_binding
     from llvmlite import ir
+    from numba import literally
     from numba.core import cgutils, types
     from numba.extending import intrinsic
 
@@ -32,8 +33,11 @@ def njit(**options):
 prange = numba.prange if numba is not None else range
 if numba is None:  # kernels are never run then; their modules only need the names
 
-    def intrinsic(function):
-        return function
+    def intrinsic(function=None, **options):
+        return function if function is not None else (lambda function: function)
+
+    def literally(value):
+        return value
 
 
 # Reassociation and contraction let LLVM vectorise the row loops; no "nnan"/"ninf", so

@@ -12,6 +12,7 @@ from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.fastmath import LOG2E, base2_bias, tanh
 from attnperf.kernels.numba.jit import FASTMATH, njit
 from attnperf.kernels.numba.launch import as_numpy
+from attnperf.kernels.numba.tiles import tiles_flag
 from attnperf.layouts import EMPTY as LAYOUT_EMPTY
 from attnperf.layouts import FULL as LAYOUT_FULL
 from attnperf.serving import KVCacheInputs
@@ -22,13 +23,13 @@ MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 # ---------------------------------------------------------------------------- the variant
 # A call's variant lowered once (`lower_variant`) into one tuple that every kernel passes on:
 # (mask, mask_kind, left, right, sequences, softcap2, alibi2, kinds, partial_index, partial,
-#  block_q, block_k, sinks2). The band is left/right around each row's diagonal i + offset
+#  block_q, block_k, sinks2, tiles). The band is left/right around each row's diagonal i + offset
 # (UNBOUNDED when open); sequences (B, 6) is attnperf.inputs.Sequences' table (slot, q_start,
 # q_len, k_start, k_len, offset), one row per batch entry for a plain call: row indices i, j
 # are within a sequence, its arrays' rows start at q_start, k_start of batch entry `slot`;
 # softcap2 = softcap * log2(e), 0 without; alibi2 (B, Hq) = slopes * log2(e), empty
 # without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without; sinks2 (Hq,)
-# = sinks * log2(e), empty without.
+# = sinks * log2(e), empty without; tiles: the fp32 tile products' route (tiles.product).
 UNBOUNDED = 1 << 40
 SKIP, MASKED, UNMASKED = 0, 1, 2  # what a (query tile, key tile) needs from the structure
 
@@ -257,5 +258,5 @@ def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
         mask, mask_kind,
         UNBOUNDED if left is None else left, UNBOUNDED if right is None else right,
         table[order].numpy(), softcap2, alibi2, kinds, partial_index, partial, block_q,
-        block_k, sinks2,
+        block_k, sinks2, tiles_flag(),
     )  # fmt: skip

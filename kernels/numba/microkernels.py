@@ -1,0 +1,387 @@
+"""Register-blocked tile products of our own: fp32 FMAs and bf16 dot products on 16-lane
+vectors, emitted as LLVM intrinsics from numba.
+
+One generator writes every micro-kernel: C[mr, :cols] = alpha * A[mr, :depth] @ B[:depth,
+:cols] + beta * C, with mr rows of nv 16-lane fp32 accumulators held in registers, each A
+element broadcast and each B row streamed as nv vectors (the last one masked to `cols`).
+
+- fp32: A and B float32; one FMA (llvm.fma.v16f32) per A element and B vector.
+- bf16: A and B bfloat16 (uint16 arrays: numpy has no bf16), accumulation in fp32. A's
+  depth pairs (A[i, 2d], A[i, 2d + 1]) lie side by side; B is in the VNNI layout
+  (depth / 2, 2 * columns): a row holds, for each column, its two depth elements side by
+  side. One vdpbf16ps per A pair and B vector; where the CPU lacks AVX512-BF16 the same
+  sums are two FMAs on the widened halves (exact: a product of two bf16 fits in fp32).
+
+The drivers below walk a whole product in micro-kernels: columns in panels of 64 (4
+vectors), rows in blocks of 6 (24 accumulators of the 32 zmm registers, as BLIS and oneDNN
+block for AVX-512), remainders by smaller literal shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from attnperf.kernels.numba.jit import (
+    FASTMATH,
+    cgutils,
+    intrinsic,
+    ir,
+    literally,
+    llvm_binding,
+    njit,
+    types,
+)
+
+LANES = 16
+BLOCK_ROWS = 6  # rows of accumulators a micro-kernel holds
+PANEL = 64  # columns a micro-kernel holds: 4 vectors
+FP32, BF16 = 0, 1  # the products' kinds
+
+
+def target_features() -> frozenset[str]:
+    """The CPU features numba compiles for: the host's, unless NUMBA_CPU_NAME names another
+    CPU (then only those NUMBA_CPU_FEATURES lists, "+avx512f,..."; none if it is empty)."""
+    if llvm_binding is None:
+        return frozenset()
+    if os.environ.get("NUMBA_CPU_NAME", "host") != "host":
+        listed = os.environ.get("NUMBA_CPU_FEATURES", "").split(",")
+        return frozenset(name[1:] for name in listed if name.startswith("+"))
+    host = llvm_binding.get_host_cpu_features()
+    return frozenset(name for name, present in host.items() if present)
+
+
+def tile_route(kind: str) -> tuple[str, str]:
+    """(route, why) of the tile products for "fp32" or "bf16" (fp16 runs on fp32 tiles)."""
+    features = target_features()
+    if "avx512f" not in features:
+        why = "no AVX-512 in numba's target: BLAS sgemm tiles (bf16 widened to fp32)"
+        return "blas", why
+    if kind == "fp32":
+        return "avx512", "AVX-512F: our fp32 FMA micro-kernels"
+    if "avx512bf16" in features:
+        why = "AVX512-BF16: our vdpbf16ps micro-kernels"
+        if "amx-bf16" in features:
+            why += " (AMX present; its brgemm route is not built yet)"
+        return "avx512-bf16", why
+    return "avx512", "AVX-512F without AVX512-BF16: bf16 widened to our fp32 micro-kernels"
+
+
+class _BFloat(ir.Type if ir is not None else object):
+    """LLVM's bfloat, which llvmlite's IR builder lacks."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+def _function(builder, name, return_type, argument_types):
+    function_type = ir.FunctionType(return_type, argument_types)
+    return cgutils.get_or_insert_function(builder.module, function_type, name)
+
+
+def _splat(builder, scalar, vector_type):
+    """A vector of `scalar` in every lane."""
+    lanes = vector_type.count
+    first = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, _i32(0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    return builder.shuffle_vector(first, ir.Constant(vector_type, ir.Undefined), zeros)
+
+
+def _i32(value):
+    return ir.Constant(ir.IntType(32), value)
+
+
+class _Emitter:
+    """The IR of one micro-kernel: loads, the multiply-add step, masked stores."""
+
+    def __init__(self, builder, kind, mask, has_bf16):
+        self.builder, self.kind, self.mask = builder, kind, mask
+        self.f32x16 = ir.VectorType(ir.FloatType(), LANES)
+        self.i32x16 = ir.VectorType(ir.IntType(32), LANES)
+        self.fma = _function(builder, "llvm.fma.v16f32", self.f32x16, [self.f32x16] * 3)
+        self.has_bf16 = has_bf16
+        if kind == BF16 and has_bf16:
+            bf16x32 = ir.VectorType(_BFloat(), 2 * LANES)
+            self.bf16x32 = bf16x32
+            self.dot = _function(
+                builder,
+                "llvm.x86.avx512bf16.dpbf16ps.512",
+                self.f32x16,
+                [self.f32x16, bf16x32, bf16x32],
+            )
+
+    def load(self, pointer, vector_type, last):
+        """A vector at `pointer` (a scalar pointer); the last one of a row masked."""
+        builder = self.builder
+        address = builder.bitcast(pointer, vector_type.as_pointer())
+        if not last:
+            return builder.load(address, align=4)
+        masked = _function(
+            builder,
+            f"llvm.masked.load.{_suffix(vector_type)}.p0",
+            vector_type,
+            [vector_type.as_pointer(), ir.IntType(32), self.mask.type, vector_type],
+        )
+        return builder.call(masked, [address, _i32(4), self.mask, ir.Constant(vector_type, None)])
+
+    def store(self, value, pointer, last):
+        builder = self.builder
+        address = builder.bitcast(pointer, value.type.as_pointer())
+        if not last:
+            builder.store(value, address, align=4)
+            return
+        masked = _function(
+            builder,
+            f"llvm.masked.store.{_suffix(value.type)}.p0",
+            ir.VoidType(),
+            [value.type, value.type.as_pointer(), ir.IntType(32), self.mask.type],
+        )
+        builder.call(masked, [value, address, _i32(4), self.mask])
+
+    def a_operand(self, pointer):
+        """A's element (fp32) or depth pair (bf16, as an i32) in every lane."""
+        builder = self.builder
+        if self.kind == FP32:
+            return _splat(builder, builder.load(pointer), self.f32x16)
+        pair = builder.load(builder.bitcast(pointer, ir.IntType(32).as_pointer()), align=2)
+        return _splat(builder, pair, self.i32x16)
+
+    def b_operand(self, pointer, last):
+        vector_type = self.f32x16 if self.kind == FP32 else self.i32x16
+        return self.load(pointer, vector_type, last)
+
+    def multiply_add(self, acc, a, b):
+        builder = self.builder
+        if self.kind == FP32:
+            return builder.call(self.fma, [a, b, acc])
+        if self.has_bf16:
+            a, b = builder.bitcast(a, self.bf16x32), builder.bitcast(b, self.bf16x32)
+            return builder.call(self.dot, [acc, a, b])
+        # Without vdpbf16ps: bf16 is fp32's upper half; odd elements first, as it sums.
+        high = ir.Constant(self.i32x16, [-65536] * LANES)
+        for part in (
+            lambda x: builder.and_(x, high),
+            lambda x: builder.shl(x, ir.Constant(self.i32x16, [16] * LANES)),
+        ):
+            a_half = builder.bitcast(part(a), self.f32x16)
+            b_half = builder.bitcast(part(b), self.f32x16)
+            acc = builder.call(self.fma, [a_half, b_half, acc])
+        return acc
+
+
+def _suffix(vector_type):
+    element = "f32" if isinstance(vector_type.element, ir.FloatType) else "i32"
+    return f"v{vector_type.count}{element}"
+
+
+def _operand(context, builder, view_type, view):
+    """(data pointer, offset, strides...) of an operand view: (array, offset, strides...)."""
+    fields = [builder.extract_value(view, i) for i in range(len(view_type))]
+    array = context.make_array(view_type[0])(context, builder, fields[0])
+    return [array.data, *fields[1:]]
+
+
+@intrinsic(prefer_literal=True)
+def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, cols):
+    """C[i, j] = alpha * sum_d A[i, d] B[d, j] + beta * C[i, j] for i < mr, j < cols <=
+    16 nv (mr and nv literal; beta = 0 never reads C), fp32 for float32 A and B, bf16 for
+    uint16 ones. Views count elements:
+
+    - a_view (a, offset, row_stride, depth_stride): A[i, d] = a[offset + i row_stride +
+      d depth_stride]; for bf16 d counts pairs: the pair at 2 d depth_stride (stride 1).
+    - b_view (b, offset, row_stride, vector_stride): B[d, j] = b[offset + d row_stride +
+      (j // 16) vector_stride + j % 16] (bf16: the pair at 2 (j % 16)).
+    - c_view (c, offset, row_stride): C[i, j] = c[offset + i row_stride + j].
+
+    A and B of different dtypes trap: numba types both sides of an `if` on the operands'
+    dtype, and such a pair only appears on the side never taken.
+    """
+    if not all(isinstance(value, types.IntegerLiteral) for value in (mr, nv)):
+        return None
+    rows, vectors = mr.literal_value, nv.literal_value
+    a_dtype, b_dtype = a_view[0].dtype, b_view[0].dtype
+    kind_value = FP32 if a_dtype == types.float32 else BF16
+    sig = types.void(mr, nv, types.intp, types.float32, types.float32, a_view, b_view, c_view,
+                     types.intp)  # fmt: skip
+    has_bf16 = "avx512bf16" in target_features()
+
+    def codegen(context, builder, signature, args):
+        depth, alpha, beta, a_view, b_view, c_view, cols = args[2:]
+        if a_dtype != b_dtype:
+            builder.call(_function(builder, "llvm.trap", ir.VoidType(), []), [])
+            return context.get_dummy_value()
+        a_data, a_offset, a_row_stride, a_depth_stride = _operand(
+            context, builder, signature.args[5], a_view
+        )
+        b_data, b_offset, b_row_stride, b_vector_stride = _operand(
+            context, builder, signature.args[6], b_view
+        )
+        c_data, c_offset, c_row_stride = _operand(context, builder, signature.args[7], c_view)
+        index_type = depth.type
+
+        def constant(value):
+            return ir.Constant(index_type, value)
+
+        # The last vector's lanes: those below cols - 16 (nv - 1).
+        count = builder.trunc(builder.sub(cols, constant(LANES * (vectors - 1))), _i32(0).type)
+        lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), LANES), list(range(LANES)))
+        mask = builder.icmp_signed("<", lane_numbers, _splat(builder, count, lane_numbers.type))
+        emit = _Emitter(builder, kind_value, mask, has_bf16)
+        zero = ir.Constant(emit.f32x16, None)
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
+                for _ in range(rows)]  # fmt: skip
+        pair = 1 if kind_value == FP32 else 2
+        a_step = builder.mul(a_depth_stride, constant(pair))
+        with cgutils.for_range(builder, depth) as loop:
+            d = loop.index
+            b_row = builder.add(b_offset, builder.mul(d, b_row_stride))
+            b_vectors = []
+            for j in range(vectors):
+                at = builder.add(b_row, builder.mul(constant(j), b_vector_stride))
+                b_vectors.append(emit.b_operand(builder.gep(b_data, [at]), j == vectors - 1))
+            a_at = builder.add(a_offset, builder.mul(d, a_step))
+            for i in range(rows):
+                at = builder.add(a_at, builder.mul(constant(i), a_row_stride))
+                a_value = emit.a_operand(builder.gep(a_data, [at]))
+                for j in range(vectors):
+                    acc = builder.load(accs[i][j])
+                    builder.store(emit.multiply_add(acc, a_value, b_vectors[j]), accs[i][j])
+        alpha_vector = _splat(builder, alpha, emit.f32x16)
+        beta_vector = _splat(builder, beta, emit.f32x16)
+        reads_c = builder.fcmp_ordered("!=", beta, ir.Constant(ir.FloatType(), 0.0))
+        for i in range(rows):
+            c_row = builder.add(c_offset, builder.mul(constant(i), c_row_stride))
+            for j in range(vectors):
+                last = j == vectors - 1
+                pointer = builder.gep(c_data, [builder.add(c_row, constant(LANES * j))])
+                value = builder.fmul(builder.load(accs[i][j]), alpha_vector)
+                with builder.if_else(reads_c) as (then, otherwise):
+                    with then:
+                        old = emit.load(pointer, emit.f32x16, last)
+                        emit.store(builder.call(emit.fma, [old, beta_vector, value]), pointer, last)
+                    with otherwise:
+                        emit.store(value, pointer, last)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(fastmath=FASTMATH)
+def _row_blocks(nv, depth, alpha, beta, a_view, b_view, c_view, rows, cols):
+    """One panel of `cols` <= 16 nv columns, its rows in blocks of 6."""
+    literally(nv)  # compiled per vector count
+    a, a_offset, a_row_stride, a_depth_stride = a_view
+    c, c_offset, c_row_stride = c_view
+    full = rows - rows % BLOCK_ROWS
+    for i0 in range(0, full, BLOCK_ROWS):
+        a_block = (a, a_offset + i0 * a_row_stride, a_row_stride, a_depth_stride)
+        c_block = (c, c_offset + i0 * c_row_stride, c_row_stride)
+        micro_kernel(BLOCK_ROWS, nv, depth, alpha, beta, a_block, b_view, c_block, cols)
+    a_left = (a, a_offset + full * a_row_stride, a_row_stride, a_depth_stride)
+    c_left = (c, c_offset + full * c_row_stride, c_row_stride)
+    left = rows - full  # each count a literal shape of its own
+    if left == 5:
+        micro_kernel(5, nv, depth, alpha, beta, a_left, b_view, c_left, cols)
+    elif left == 4:
+        micro_kernel(4, nv, depth, alpha, beta, a_left, b_view, c_left, cols)
+    elif left == 3:
+        micro_kernel(3, nv, depth, alpha, beta, a_left, b_view, c_left, cols)
+    elif left == 2:
+        micro_kernel(2, nv, depth, alpha, beta, a_left, b_view, c_left, cols)
+    elif left == 1:
+        micro_kernel(1, nv, depth, alpha, beta, a_left, b_view, c_left, cols)
+
+
+@njit(fastmath=FASTMATH)
+def tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols):
+    """C[:rows, :cols] = alpha * A[:rows, :depth] @ B[:depth, :cols] + beta * C in
+    micro-kernels (views and kinds as `micro_kernel`'s; for bf16 `depth` counts pairs).
+    Columns go in panels of 64, whose B rows stay in L1 across the panel's row blocks."""
+    b, b_offset, b_row_stride, b_vector_stride = b_view
+    c, c_offset, c_row_stride = c_view
+    for j0 in range(0, cols, PANEL):
+        width = min(PANEL, cols - j0)
+        b_panel = (b, b_offset + j0 // LANES * b_vector_stride, b_row_stride, b_vector_stride)
+        c_panel = (c, c_offset + j0, c_row_stride)
+        if width > 3 * LANES:
+            _row_blocks(4, depth, alpha, beta, a_view, b_panel, c_panel, rows, width)
+        elif width > 2 * LANES:
+            _row_blocks(3, depth, alpha, beta, a_view, b_panel, c_panel, rows, width)
+        elif width > LANES:
+            _row_blocks(2, depth, alpha, beta, a_view, b_panel, c_panel, rows, width)
+        else:
+            _row_blocks(1, depth, alpha, beta, a_view, b_panel, c_panel, rows, width)
+
+
+@njit(fastmath=FASTMATH)
+def gemm_fp32(a, b, c, alpha, beta, trans_a, trans_b):
+    """blas.gemm's contract on our fp32 micro-kernels: c = alpha * op(a) @ op(b) + beta * c
+    for 2-D float32 views, c with unit column stride. op(a) is read at any strides (its
+    elements are broadcast one by one); a transposed b is first packed (depth, cols)."""
+    rows, cols = c.shape
+    if rows == 0 or cols == 0:
+        return
+    depth = a.shape[0] if trans_a else a.shape[1]
+    a_row_stride, a_depth_stride = a.strides[0] // 4, a.strides[1] // 4
+    if trans_a:
+        a_row_stride, a_depth_stride = a_depth_stride, a_row_stride
+    a_view = (a, 0, a_row_stride, a_depth_stride)
+    c_view = (c, 0, c.strides[0] // 4)
+    if trans_b:
+        packed = np.empty((depth, cols), np.float32)
+        for j in range(cols):
+            for d in range(depth):
+                packed[d, j] = b[j, d]
+        b_view = (packed, 0, cols, LANES)
+        tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols)
+    else:
+        b_view = (b, 0, b.strides[0] // 4, LANES)
+        tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols)
+
+
+@intrinsic
+def to_bf16(typingctx, x):
+    """x (float32) rounded to bf16, nearest even, as its uint16 bits (vectorises:
+    vcvtneps2bf16 where the CPU has it)."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        rounded = builder.fptrunc(args[0], _BFloat())
+        return builder.bitcast(rounded, ir.IntType(16))
+
+    return sig, codegen
+
+
+@njit(fastmath=FASTMATH)
+def pack_key_panels(k, packed):
+    """packed (ceil(S / 16), depth, 16 w) <- k (S, E) as B = K^T in panels of 16 keys: for
+    fp32 (w = 1) packed[p, d, t] = k[16 p + t, d]; for bf16 (w = 2, depth = ceil(E / 2))
+    the pair packed[p, d, 2 t + u] = k[16 p + t, 2 d + u]. Zeros past S and E."""
+    keys, dim = k.shape
+    panels, depth, width = packed.shape
+    pair = width // LANES
+    for p in range(panels):
+        for d in range(depth):
+            for t in range(LANES):
+                j = p * LANES + t
+                for u in range(pair):
+                    e = d * pair + u
+                    packed[p, d, t * pair + u] = k[j, e] if j < keys and e < dim else 0
+
+
+@njit(fastmath=FASTMATH)
+def pack_vnni(src, dst):
+    """dst (ceil(depth / 2), 2 cols) <- src (depth, cols) bf16 in the VNNI layout: dst[d,
+    2 j + u] = src[2 d + u, j], zeros past depth."""
+    depth, cols = src.shape
+    for d in range(dst.shape[0]):
+        for j in range(cols):
+            dst[d, 2 * j] = src[2 * d, j]
+            dst[d, 2 * j + 1] = src[2 * d + 1, j] if 2 * d + 1 < depth else 0
