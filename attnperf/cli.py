@@ -35,6 +35,8 @@ from attnperf.bench.sweep import (
     BenchConfig,
     run_sweep,
 )
+from attnperf.kernels.numba.jit import MISSING as NUMBA_MISSING
+from attnperf.kernels.numba.microkernels import tile_route
 from attnperf.machine import cpu_description
 
 
@@ -57,6 +59,17 @@ def info_table() -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
     return "\n".join(line.rstrip() for line in lines)
+
+
+def numba_tile_routes() -> list[str]:
+    """numba's tile-product route per dtype, and why."""
+    if NUMBA_MISSING:
+        return [f"numba tiles: none ({NUMBA_MISSING})"]
+    lines = []
+    for dtypes, kind in (("fp32, fp16", "fp32"), ("bf16", "bf16")):
+        route, why = tile_route(kind)
+        lines.append(f"numba tiles, {dtypes}: {route} ({why})")
+    return lines
 
 
 def smoke(device: str) -> int:
@@ -471,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{cpu['torch_cpu_capability']}), {torch.get_num_threads()} threads")  # fmt: skip
         print(info_table())
         print(f"auto on CPU: {cpu_table.active_rules()[1]}")
+        for line in numba_tile_routes():
+            print(line)
         return 0
     if args.command == "tune":
         if args.threads:

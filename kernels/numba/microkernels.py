@@ -20,6 +20,7 @@ block for AVX-512), remainders by smaller literal shapes.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -52,20 +53,32 @@ def target_features() -> frozenset[str]:
     return frozenset(name for name, present in host.items() if present)
 
 
+TILE_CHOICES = ("auto", "blas", "own")
+
+
 def tile_route(kind: str) -> tuple[str, str]:
-    """(route, why) of the tile products for "fp32" or "bf16" (fp16 runs on fp32 tiles)."""
+    """(route, why) of the tile products for "fp32" or "bf16" (fp16 runs on fp32 tiles).
+
+    ATTNPERF_NUMBA_TILES=blas|own insists on BLAS or on our micro-kernels for fp32 (own
+    ones without AVX-512 run on LLVM's split vectors: for tests, not speed).
+    """
+    choice = os.environ.get("ATTNPERF_NUMBA_TILES", "auto")
+    if choice not in TILE_CHOICES:
+        raise ValueError(f"ATTNPERF_NUMBA_TILES must be one of {TILE_CHOICES}, got {choice!r}")
     features = target_features()
-    if "avx512f" not in features:
-        why = "no AVX-512 in numba's target: BLAS sgemm tiles (bf16 widened to fp32)"
-        return "blas", why
-    if kind == "fp32":
-        return "avx512", "AVX-512F: our fp32 FMA micro-kernels"
-    if "avx512bf16" in features:
-        why = "AVX512-BF16: our vdpbf16ps micro-kernels"
+    if kind == "bf16" and "avx512bf16" in features:
+        why = "AVX512-BF16: our vdpbf16ps micro-kernels in the forward, the backward widened"
         if "amx-bf16" in features:
             why += " (AMX present; its brgemm route is not built yet)"
         return "avx512-bf16", why
-    return "avx512", "AVX-512F without AVX512-BF16: bf16 widened to our fp32 micro-kernels"
+    widened = "bf16 widened to " if kind == "bf16" else ""
+    if choice == "blas":
+        return "blas", f"ATTNPERF_NUMBA_TILES=blas: {widened}BLAS sgemm tiles"
+    if choice == "own":
+        return "avx512", f"ATTNPERF_NUMBA_TILES=own: {widened}our fp32 micro-kernels"
+    if "avx512f" not in features:
+        return "blas", f"no AVX-512 in numba's target: {widened}BLAS sgemm tiles"
+    return "avx512", f"AVX-512F: {widened}our fp32 FMA micro-kernels"
 
 
 class _BFloat(ir.Type if ir is not None else object):
@@ -349,7 +362,7 @@ def gemm_fp32(a, b, c, alpha, beta, trans_a, trans_b):
 @intrinsic
 def to_bf16(typingctx, x):
     """x (float32) rounded to bf16, nearest even, as its uint16 bits (vectorises:
-    vcvtneps2bf16 where the CPU has it)."""
+    vcvtneps2bf16 where the CPU has it, which flushes fp32 subnormals to zero)."""
     sig = types.uint16(types.float32)
 
     def codegen(context, builder, signature, args):
@@ -385,3 +398,66 @@ def pack_vnni(src, dst):
         for j in range(cols):
             dst[d, 2 * j] = src[2 * d, j]
             dst[d, 2 * j + 1] = src[2 * d + 1, j] if 2 * d + 1 < depth else 0
+
+
+PEAK_ACCUMULATORS = 12  # independent chains: enough to cover the FMA latency of two pipes
+
+
+@intrinsic
+def _peak_loop(typingctx, iterations, bf16):
+    """`iterations` rounds of 12 independent vector FMAs (or, with a literal True bf16,
+    vdpbf16ps) on registers only; returns a lane of their sum so none is dropped."""
+    if not isinstance(bf16, types.BooleanLiteral):
+        return None
+    use_dot = bf16.literal_value
+    sig = types.float32(types.intp, bf16)
+
+    def codegen(context, builder, signature, args):
+        emit = _Emitter(builder, BF16 if use_dot else FP32, None, True)
+        x = ir.Constant(emit.i32x16 if use_dot else emit.f32x16, [1] * LANES if use_dot else
+                        [1.0000001] * LANES)  # fmt: skip
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(emit.f32x16, [float(i)] * LANES))
+                for i in range(PEAK_ACCUMULATORS)]  # fmt: skip
+        with cgutils.for_range(builder, args[0]):
+            for acc in accs:
+                builder.store(emit.multiply_add(builder.load(acc), x, x), acc)
+        total = builder.load(accs[0])
+        for acc in accs[1:]:
+            total = builder.fadd(total, builder.load(acc))
+        return builder.extract_element(total, _i32(0))
+
+    return sig, codegen
+
+
+@njit()
+def fma_peak_loop(iterations):
+    return _peak_loop(iterations, False)
+
+
+@njit()
+def dot_peak_loop(iterations):
+    return _peak_loop(iterations, True)
+
+
+def peak_flops(kind: str, seconds: float = 0.3) -> float | None:
+    """The calling thread's peak rate in FLOP/s of the fp32 FMA ("fp32") or the bf16 dot
+    product ("bf16"; None without AVX512-BF16): a register-only loop of 16-lane vectors
+    timed for about `seconds` (best of 3)."""
+    if kind == "bf16" and "avx512bf16" not in target_features():
+        return None
+    loop, flops_per_lane = (fma_peak_loop, 2) if kind == "fp32" else (dot_peak_loop, 4)
+    loop(1000)  # compiled
+    iterations, elapsed = 1000, 0.0
+    while elapsed < seconds / 10:
+        iterations *= 4
+        start = time.perf_counter()
+        loop(iterations)
+        elapsed = time.perf_counter() - start
+    best = min(_timed(loop, iterations) for _ in range(3))
+    return iterations * PEAK_ACCUMULATORS * LANES * flops_per_lane / best
+
+
+def _timed(loop, iterations):
+    start = time.perf_counter()
+    loop(iterations)
+    return time.perf_counter() - start

@@ -7,14 +7,12 @@ kernel serves both routes; `tiles_flag` reads the route this process takes for f
 from __future__ import annotations
 
 import functools
-import os
 
 from attnperf.kernels.numba.blas import gemm
 from attnperf.kernels.numba.jit import FASTMATH, njit
 from attnperf.kernels.numba.microkernels import gemm_fp32, tile_route
 
 BLAS_TILES, OWN_TILES = 0, 1
-TILE_CHOICES = ("auto", "blas", "own")
 
 
 @njit(fastmath=FASTMATH)
@@ -29,11 +27,6 @@ def product(a, b, c, alpha, beta, trans_a, trans_b, tiles):
 
 @functools.cache
 def tiles_flag() -> int:
-    """OWN_TILES where our fp32 micro-kernels serve this CPU (AVX-512), else BLAS_TILES;
-    ATTNPERF_NUMBA_TILES=blas|own insists on one."""
-    choice = os.environ.get("ATTNPERF_NUMBA_TILES", "auto")
-    if choice not in TILE_CHOICES:
-        raise ValueError(f"ATTNPERF_NUMBA_TILES must be one of {TILE_CHOICES}, got {choice!r}")
-    if choice == "auto":
-        return OWN_TILES if tile_route("fp32")[0] != "blas" else BLAS_TILES
-    return OWN_TILES if choice == "own" else BLAS_TILES
+    """OWN_TILES where our fp32 micro-kernels serve this process (`tile_route`), else
+    BLAS_TILES."""
+    return OWN_TILES if tile_route("fp32")[0] == "avx512" else BLAS_TILES

@@ -1,0 +1,169 @@
+"""The numba backend's own tile products: every remainder of rows, columns and depth, both
+precisions, the packings, and the forward that runs on them at realistic sizes."""
+
+import numpy as np
+import pytest
+import torch
+
+import attnperf
+from attnperf import dispatch
+from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
+
+pytest.importorskip("numba")
+from attnperf.kernels.numba import microkernels, tiles
+from attnperf.kernels.numba.attention import round_probabilities
+from attnperf.kernels.numba.microkernels import (
+    gemm_fp32,
+    pack_key_panels,
+    pack_vnni,
+    tile_product,
+)
+
+if dispatch.registry()["numba"].unavailable_reason():
+    pytest.skip(dispatch.registry()["numba"].unavailable_reason(), allow_module_level=True)
+
+# Rows cover every micro-kernel height (6) and remainder; columns every vector count and
+# masked tail; depths E = 1, 40, 59, 100, 256 and an empty product.
+ROWS = (1, 5, 6, 13)
+COLS = (1, 15, 16, 17, 59, 64, 100, 130)
+DEPTHS = (0, 1, 40, 59, 100, 256)
+
+
+def bits(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_fp32_products_match_float64(trans_a, trans_b):
+    gen = torch.Generator().manual_seed(0)
+    for rows in ROWS:
+        for cols in COLS:
+            for depth in DEPTHS:
+                a = torch.randn((depth, rows) if trans_a else (rows, depth), generator=gen)
+                b = torch.randn((cols, depth) if trans_b else (depth, cols), generator=gen)
+                c = torch.randn(rows, cols, generator=gen)
+                op_a, op_b = (a.T if trans_a else a), (b.T if trans_b else b)
+                exact = 0.5 * op_a.double() @ op_b.double() + 2.0 * c.double()
+                out = c.numpy().copy()
+                gemm_fp32(a.numpy(), b.numpy(), out, np.float32(0.5), np.float32(2.0),
+                          trans_a, trans_b)  # fmt: skip
+                bound = 1e-5 * (depth + 2) * (op_a.abs().double() @ op_b.abs().double() + 2)
+                error = (torch.from_numpy(out).double() - exact).abs()
+                assert bool((error <= bound).all()), (rows, cols, depth)
+
+
+def test_fp32_product_with_beta_zero_never_reads_c():
+    a, b = np.ones((7, 3), np.float32), np.ones((3, 20), np.float32)
+    c = np.full((7, 20), np.nan, np.float32)
+    gemm_fp32(a, b, c, np.float32(1.0), np.float32(0.0), False, False)
+    assert np.array_equal(c, np.full((7, 20), 3.0, np.float32))
+
+
+def test_fp32_product_writes_only_its_columns():
+    """The masked last vector: columns past `cols` in a wider buffer stay as they were."""
+    a, b = np.ones((7, 4), np.float32), np.ones((4, 40), np.float32)
+    c = np.full((7, 48), -1.0, np.float32)
+    gemm_fp32(a, b, c[:, :37], np.float32(1.0), np.float32(0.0), False, False)
+    assert np.all(c[:, :37] == 4.0) and np.all(c[:, 37:] == -1.0)
+
+
+def test_bf16_products_match_float64():
+    """bf16 A (pairs along the depth) and B in the VNNI layout, fp32 accumulation."""
+    gen = torch.Generator().manual_seed(1)
+    for rows in ROWS:
+        for cols in COLS:
+            for depth in (2, 40, 60, 100, 256):
+                a = torch.randn(rows, depth, generator=gen).bfloat16()
+                b = torch.randn(depth, cols, generator=gen).bfloat16()
+                b_pairs = np.empty((depth // 2, 2 * cols), np.uint16)
+                pack_vnni(bits(b), b_pairs)
+                out = np.zeros((rows, cols), np.float32)
+                a_view, b_view = (bits(a), 0, depth, 1), (b_pairs, 0, 2 * cols, 32)
+                product_into(depth // 2, a_view, b_view, (out, 0, cols), rows, cols)
+                exact = a.double() @ b.double()
+                bound = 1e-6 * depth * (a.double().abs() @ b.double().abs()) + 1e-30
+                error = (torch.from_numpy(out).double() - exact).abs()
+                assert bool((error <= bound).all()), (rows, cols, depth)
+
+
+def product_into(depth, a_view, b_view, c_view, rows, cols):
+    tile_product(depth, np.float32(1.0), np.float32(0.0), a_view, b_view, c_view, rows, cols)
+
+
+def test_to_bf16_rounds_to_nearest_even_as_torch():
+    values = torch.cat([
+        torch.randn(9_999) * 1e3,  # an odd count in all
+        torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -0.0, float("inf"), 3.0e38, 1e-40]),
+    ])  # fmt: skip
+    expected = bits(values.bfloat16())
+    # vcvtneps2bf16 flushes fp32 subnormals to zero (a probability under 1e-38 of a row
+    # whose sum is at least 1); torch keeps them.
+    subnormal = (values.abs() < torch.finfo(torch.float32).tiny).numpy() & (values != 0).numpy()
+    expected[subnormal] = 0
+    p = values.numpy()[None, :]
+    rounded = np.full((1, p.shape[1] + 1), 7, np.uint16)
+    round_probabilities(p, rounded, 1, p.shape[1])  # the forward's loop over to_bf16
+    assert np.array_equal(rounded[0, :-1], expected)
+    assert rounded[0, -1] == 0  # an odd count: a zero after, so that pairs are whole
+
+
+def test_pack_key_panels_lays_out_k_transposed_by_sixteen_keys():
+    k = np.arange(37 * 5, dtype=np.float32).reshape(37, 5)
+    packed = np.full((3, 5, 16), np.nan, np.float32)
+    pack_key_panels(k, packed)
+    expected = np.zeros((48, 5), np.float32)
+    expected[:37] = k
+    assert np.array_equal(packed, expected.reshape(3, 16, 5).transpose(0, 2, 1))
+    k16 = np.arange(20 * 3, dtype=np.uint16).reshape(20, 3)
+    pairs = np.full((2, 2, 32), 7, np.uint16)
+    pack_key_panels(k16, pairs)
+    wide = np.zeros((32, 4), np.uint16)
+    wide[:20, :3] = k16
+    assert np.array_equal(pairs, wide.reshape(2, 16, 2, 2).transpose(0, 2, 1, 3).reshape(2, 2, 32))
+
+
+def test_route_follows_numba_target(monkeypatch):
+    monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+fma")
+    assert microkernels.tile_route("fp32")[0] == "blas"
+    assert microkernels.tile_route("bf16")[0] == "blas"
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+avx512f,+avx512bf16")
+    assert microkernels.tile_route("fp32")[0] == "avx512"
+    assert microkernels.tile_route("bf16")[0] == "avx512-bf16"
+
+
+def test_tiles_choice_is_checked(monkeypatch):
+    monkeypatch.setenv("ATTNPERF_NUMBA_TILES", "fast")
+    tiles.tiles_flag.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="ATTNPERF_NUMBA_TILES"):
+            tiles.tiles_flag()
+    finally:
+        monkeypatch.delenv("ATTNPERF_NUMBA_TILES")
+        tiles.tiles_flag.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_at_realistic_size_keeps_the_2x_rule(dtype, causal):
+    """L = 2048 (whole 128 x 512 tiles, many key tiles per row), GQA, E = 64."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 2048, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, 2048, 64, generator=gen).to(dtype) for _ in range(2))
+    call = {"query": q, "key": k, "value": v, "is_causal": causal, "enable_gqa": True}
+    actual = attnperf.attention(**call, backend="numba")
+    exact = float64_reference(**call)
+    baseline = same_precision_reference(**call)
+    assert_agrees(actual, exact, baseline)
+
+
+@pytest.mark.parametrize("head_dim", [1, 40, 59, 100, 256])
+def test_bf16_forward_keeps_the_2x_rule_at_odd_head_dims(head_dim):
+    """E not a multiple of the vector width (odd E runs on a zero column more)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 300, head_dim, generator=gen).bfloat16() for _ in range(3))
+    call = {"query": q, "key": k, "value": v, "is_causal": True}
+    actual = attnperf.attention(**call, backend="numba")
+    assert actual.shape == q.shape
+    assert_agrees(actual, float64_reference(**call), same_precision_reference(**call))
