@@ -23,6 +23,7 @@ from attnperf.bench.report import (
     decode_title,
     fit_rows,
     left_out_note,
+    peak_text,
     sgemm_text,
     table_rows,
     write_report,
@@ -154,13 +155,14 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     )
     console = Console(width=None if sys.stdout.isatty() else 160)  # CI logs: no wrapping
     sgemm = serving.sgemm_rate(config) / 1e9 if config.device == "cpu" else None
+    peak = serving.peak_rate(config.dtype, config.threads) if config.device == "cpu" else None
     points_per_backend = len(config.lengths) * len(config.causal) * len(config.passes)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(
             "benchmarking", total=2 * len(config.backends) * points_per_backend
         )
         points = run_sweep(config, lambda done: progress.update(task, advance=1, description=done))
-    report = build_report(config, points, sgemm)
+    report = build_report(config, points, sgemm, peak and peak / 1e9)
 
     def show(rows, title):
         table = Table(title=title)
@@ -181,7 +183,7 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     title = f"attnperf bench: {config.dtype}, {shape}, {config.threads} threads, {device}"
     if config.describe_variant():
         title += f"; {config.describe_variant()}"
-    title += f"; sgemm {sgemm_text(report)}"
+    title += f"; sgemm {sgemm_text(report)}; peak {peak_text(report)}"
     show(table_rows(report), title)
     if left_out_note(report):
         console.print(left_out_note(report), highlight=False)

@@ -86,11 +86,15 @@ def growth_fits(points: list[Measurement]) -> list[dict]:
 
 
 def build_report(
-    config: BenchConfig, points: list[Measurement], sgemm_gflops: float | None = None
+    config: BenchConfig,
+    points: list[Measurement],
+    sgemm_gflops: float | None = None,
+    peak_gflops: float | None = None,
 ) -> dict:
     """The machine-readable report; `benchmarks` follows pytest-benchmark's layout.
-    `sgemm_gflops`, the machine's sgemm rate measured in the same run, anchors each point's
-    GFLOP/s as a fraction of it (None: not measured, e.g. on a GPU)."""
+    `sgemm_gflops` and `peak_gflops` (the chip's peak for the call's dtype), measured in the
+    same run, give each point's GFLOP/s as a fraction of each (None: not measured, e.g. on
+    a GPU)."""
     ratios = speed_vs_peer(points)
     benchmarks = []
     for p in points:
@@ -98,6 +102,7 @@ def build_report(
         extra = p.to_dict()
         extra["speed_vs_sdpa"] = ratios.get((p.backend, p.length, p.causal, p.pass_))
         extra["of_sgemm"] = p.gflops / sgemm_gflops if p.gflops and sgemm_gflops else None
+        extra["of_peak"] = p.gflops / peak_gflops if p.gflops and peak_gflops else None
         benchmarks.append(
             {
                 "name": f"{p.backend}[L={p.length},{p.pass_},{causal}]",
@@ -117,6 +122,7 @@ def build_report(
         "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "machine_info": machine_info(config),
         "sgemm_gflops": sgemm_gflops,
+        "peak_gflops": peak_gflops,
         "config": asdict(config),
         "benchmarks": benchmarks,
         "fits": growth_fits(points),
@@ -158,6 +164,7 @@ def table_rows(report: dict) -> list[list[str]]:
             "spread",
             "GFLOP/s",
             "of sgemm",
+            "of peak",
             "peak extra MiB",
             "vs sdpa",
             "first call s",
@@ -183,6 +190,7 @@ def table_rows(report: dict) -> list[list[str]]:
                 _fmt(e["gflops"], ".1f"),
                 _fmt(e.get("of_sgemm") and e["of_sgemm"] * 100, ".0f")
                 + "%" * bool(e.get("of_sgemm")),
+                _fmt(e.get("of_peak") and e["of_peak"] * 100, ".0f") + "%" * bool(e.get("of_peak")),
                 _fmt(e["peak_extra_bytes"] and e["peak_extra_bytes"] / MIB, ".1f") if ok else "-",
                 _fmt(e["speed_vs_sdpa"], ".2f") + ("x" if e["speed_vs_sdpa"] else ""),
                 _fmt(e["first_call_s"], ".2f"),
@@ -227,6 +235,15 @@ def sgemm_text(report: dict) -> str:
     if rate is None:
         return "not measured in this run"
     return f"{rate:.0f} GFLOP/s (torch.mm of 2048^2 fp32 matrices, same run and threads)"
+
+
+def peak_text(report: dict) -> str:
+    """The run's peak anchor in words."""
+    rate = report.get("peak_gflops")
+    if rate is None:
+        return "not measured in this run"
+    kind = "bf16 dot" if report["config"]["dtype"] == "bfloat16" else "fp32 FMA"
+    return f"{rate:.0f} GFLOP/s ({kind}, a register-only loop, one thread x threads)"
 
 
 def decode_table(rows: list[dict]) -> tuple[list[str], list[tuple[str, ...]]]:
@@ -283,7 +300,8 @@ def markdown(report: dict) -> str:
             f"kv heads {config.get('kv_heads') or config['heads']}, E={config['head_dim']}, "
             f"{config['dtype']}, L=S; median of {config['rounds']} rounds after warm-up. "
             "GFLOP/s counts 4·B·H·L·S·E forward (half when causal), x3.5 with backward; "
-            f"'of sgemm' is its fraction of this machine's sgemm rate, {sgemm_text(report)}. "
+            f"'of sgemm' is its fraction of this machine's sgemm rate, {sgemm_text(report)}; "
+            f"'of peak' of the chip's peak, {peak_text(report)}. "
             "'vs sdpa' is sdpa's median time over the backend's (> 1: faster); spread is "
             "(max - min) / median; 'first call' includes JIT compilation or cache loading.",
             md_table(table_rows(report)),

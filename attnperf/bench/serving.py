@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 import attnperf
 from attnperf.bench import sweep
+from attnperf.kernels.numba.jit import MISSING as NUMBA_MISSING
+from attnperf.kernels.numba.microkernels import peak_flops
 
 # Llama-3-8B's attention: 32 query heads over 8 key/value heads of 128 dims.
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
@@ -190,6 +192,16 @@ def sgemm_rate(config) -> float:
     """The machine's fp32 sgemm rate in FLOP/s (torch.mm, `config.threads` threads; the
     median of `config.rounds`): the anchor of every GFLOP/s figure of a run."""
     return 2 * SGEMM_SIZE**3 / race(config, {"sgemm": SgemmCall()})["sgemm"].median_s
+
+
+def peak_rate(dtype: str, threads: int) -> float | None:
+    """The chip's peak in FLOP/s for a call of `dtype`: the bf16 dot product's for
+    "bfloat16" where the CPU has one, else the fp32 FMA's; a register-only loop on one
+    thread times `threads` (one per core). None without numba, which emits the loop."""
+    if NUMBA_MISSING:
+        return None
+    per_thread = peak_flops("bf16") if dtype == "bfloat16" else None
+    return (per_thread or peak_flops("fp32")) * threads
 
 
 def kv_bytes(batch: int, length: int, kv_heads: int, head_dim: int) -> int:

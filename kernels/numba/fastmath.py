@@ -29,6 +29,22 @@ def float32_from_bits(typingctx, bits):
 
 
 @intrinsic
+def widen(typingctx, x):
+    """An element as float32: a float32 itself, or a bf16 held as its uint16 bits (numpy has
+    no bf16) widened exactly (its bits are float32's upper half; vectorises)."""
+    if x == types.float32:
+        return types.float32(x), lambda context, builder, signature, args: args[0]
+    if x != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(bits, ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+@intrinsic
 def maxnum(typingctx, a, b):
     """LLVM's maxnum: the larger of two float32, NaN ignored; LLVM vectorises its reductions."""
     sig = types.float32(types.float32, types.float32)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from attnperf.kernels.numba.attention import online_softmax_rescale
-from attnperf.kernels.numba.fastmath import LOG2E
+from attnperf.kernels.numba.fastmath import LOG2E, widen
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
 from attnperf.kernels.numba.launch import as_fp32, as_numpy, float32_array, run_parallel
 from attnperf.kernels.numba.variant import (
@@ -32,7 +32,7 @@ def key_scores(queries, key, s_head, j, scale2):
         query = queries[r]
         total = np.float32(0.0)
         for e in range(key.shape[0]):
-            total += query[e] * key[e]
+            total += query[e] * widen(key[e])
         s_head[r, j] = total * scale2
 
 
@@ -43,7 +43,7 @@ def value_update(p_head, j, value, acc_head):
         weight = p_head[r, j]
         out = acc_head[r]
         for e in range(value.shape[0]):
-            out[e] += weight * value[e]
+            out[e] += weight * widen(value[e])
 
 
 @njit(fastmath=FASTMATH, inline="always")
@@ -55,7 +55,8 @@ def values_update(p_head, j, v0, v1, v2, v3, acc_head):
         w0, w1, w2, w3 = p_head[r, j], p_head[r, j + 1], p_head[r, j + 2], p_head[r, j + 3]
         out = acc_head[r]
         for e in range(out.shape[0]):
-            out[e] += w0 * v0[e] + w1 * v1[e] + w2 * v2[e] + w3 * v3[e]
+            out[e] += (w0 * widen(v0[e]) + w1 * widen(v1[e]) + w2 * widen(v2[e])
+                       + w3 * widen(v3[e]))  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -343,17 +344,22 @@ def _is_head_major(pages: Tensor) -> bool:
 def _pages(inputs: KVCacheInputs) -> tuple[np.ndarray, np.ndarray, bool]:
     """(k pages, v pages, head_major) as the kernel reads them: C-contiguous (P, rows, H, E),
     or (P, H, rows, E) where the caller's float cache is a view of that (transformers' (B,
-    H, S, E)): read in place; an fp32 or int8 cache's own memory, other strides copied, an
-    fp16/bf16 cache converted to fp32 (a contiguous one's filled rows only)."""
+    H, S, E)): read in place; an fp32, bf16 (its bits, widened in registers) or int8
+    cache's own memory, other strides copied, an fp16 cache converted to fp32 (a contiguous
+    one's filled rows only)."""
     k_pages, v_pages = inputs.k_pages, inputs.v_pages
     if inputs.quantized:
         return as_numpy(k_pages.contiguous()), as_numpy(v_pages.contiguous()), False
-    if inputs.contiguous and inputs.dtype != torch.float32:  # converted: only the filled rows
+    in_place = (torch.float32, torch.bfloat16)
+    if inputs.contiguous and inputs.dtype not in in_place:  # converted: the filled rows only
         filled = int((inputs.sequences.table[:, 3] + inputs.sequences.table[:, 4]).max())
         k_pages, v_pages = k_pages[:, :filled], v_pages[:, :filled]
     head_major = all(_is_head_major(t) for t in (k_pages, v_pages))
     if head_major:
         k_pages, v_pages = (t.transpose(1, 2) for t in (k_pages, v_pages))
+    if inputs.dtype == torch.bfloat16:
+        k_pages, v_pages = (as_numpy(t.contiguous().view(torch.int16)) for t in (k_pages, v_pages))
+        return k_pages.view(np.uint16), v_pages.view(np.uint16), head_major
     k_pages, v_pages = (np.ascontiguousarray(as_fp32(t)) for t in (k_pages, v_pages))
     return k_pages, v_pages, head_major
 

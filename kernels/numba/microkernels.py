@@ -19,6 +19,7 @@ block for AVX-512), remainders by smaller literal shapes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -189,6 +190,34 @@ class _Emitter:
         return acc
 
 
+@contextlib.contextmanager
+def rolled_loop(builder, count):
+    """for index in range(count), as a loop that LLVM must not unroll: unrolled twice, a
+    micro-kernel's 24 accumulators and their operands no longer fit the 32 vector registers
+    and spill to the stack (half the speed). Yields the index."""
+    index_type = count.type
+    entry = builder.block
+    header = builder.append_basic_block("rolled.header")
+    body = builder.append_basic_block("rolled.body")
+    end = builder.append_basic_block("rolled.end")
+    builder.branch(header)
+    builder.position_at_end(header)
+    index = builder.phi(index_type)
+    index.add_incoming(ir.Constant(index_type, 0), entry)
+    builder.cbranch(builder.icmp_signed("<", index, count), body, end)
+    builder.position_at_end(body)
+    yield index
+    following = builder.add(index, ir.Constant(index_type, 1))
+    index.add_incoming(following, builder.block)
+    back = builder.branch(header)
+    module = builder.module
+    no_unroll = module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])
+    loop_id = module.add_metadata([ir.MetaDataString(module, f"attnperf.loop.{id(back)}")])
+    loop_id.operands = (loop_id, no_unroll)  # a loop's id names itself (LLVM's convention)
+    back.set_metadata("llvm.loop", loop_id)
+    builder.position_at_end(end)
+
+
 def _suffix(vector_type):
     element = "f32" if isinstance(vector_type.element, ir.FloatType) else "i32"
     return f"v{vector_type.count}{element}"
@@ -252,8 +281,7 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
                 for _ in range(rows)]  # fmt: skip
         pair = 1 if kind_value == FP32 else 2
         a_step = builder.mul(a_depth_stride, constant(pair))
-        with cgutils.for_range(builder, depth) as loop:
-            d = loop.index
+        with rolled_loop(builder, depth) as d:
             b_row = builder.add(b_offset, builder.mul(d, b_row_stride))
             b_vectors = []
             for j in range(vectors):

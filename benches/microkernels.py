@@ -1,0 +1,136 @@
+"""Each tile product alone, one thread, at the shapes the dense kernels use: GFLOP/s and its
+share of the chip's peak (fp32 FMA or bf16 dot, register-only loops, same run), beside MKL's
+sgemm and oneDNN's bf16 GEMM (torch.mm, one thread) on the same shapes.
+
+    python benches/microkernels.py [--head-dims 64 128] [--rounds 5]
+
+Products, a 128-row query tile against a 512-key tile as the forward walks them:
+- QK^T: scores (128, 512) = Q (128, E) @ K^T, K packed once in panels of 16 keys;
+- PV: acc (128, Ev) += P (128, 512) @ V, V read in place (fp32) or in pairs (bf16);
+- dq: dq (128, E) += dS (128, 512) @ K through gemm_fp32 (the backward's products);
+- dS^T Q: dk (512, E) += dS^T @ Q, A read transposed;
+- QK^T by gemm_fp32 with a transposed B, packed per call (the backward's scores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from attnperf.kernels.numba.jit import njit
+from attnperf.machine import cpu_description
+from attnperf.kernels.numba.microkernels import (
+    gemm_fp32,
+    pack_key_panels,
+    pack_vnni,
+    peak_flops,
+    tile_product,
+)
+
+ROWS, KEYS = 128, 512
+
+
+@njit()
+def repeat_product(reps, depth, a_view, b_view, c_view, rows, cols):
+    for _ in range(reps):
+        tile_product(depth, np.float32(1.0), np.float32(1.0), a_view, b_view, c_view, rows, cols)
+
+
+@njit()
+def repeat_gemm(reps, a, b, c, trans_a, trans_b):
+    for _ in range(reps):
+        gemm_fp32(a, b, c, np.float32(1.0), np.float32(1.0), trans_a, trans_b)
+
+
+def median_seconds(run, reps, rounds):
+    run(1)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run(reps)
+        times.append((time.perf_counter() - start) / reps)
+    return statistics.median(times)
+
+
+def bits(tensor):
+    return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def products(dim, rounds):
+    """(name, dtype, FLOPs, ours s, torch.mm s) per product."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, p = (torch.randn(*shape, generator=gen) for shape in
+                  ((ROWS, dim), (KEYS, dim), (KEYS, dim), (ROWS, KEYS)))  # fmt: skip
+    flops = 2 * ROWS * KEYS * dim
+    reps = max(1, int(2e9 / flops))
+    scores, acc = np.zeros((ROWS, KEYS), np.float32), np.zeros((ROWS, dim), np.float32)
+    panels = np.empty((KEYS // 16, dim, 16), np.float32)
+    pack_key_panels(k.numpy(), panels)
+    k_view = (panels, 0, 16, dim * 16)
+    rows = []
+
+    def ours(depth, a_view, b_view, c_view, cols):
+        return median_seconds(
+            lambda n: repeat_product(n, depth, a_view, b_view, c_view, ROWS, cols), reps, rounds
+        )
+
+    def torch_mm(a, b):
+        return median_seconds(lambda n: [torch.mm(a, b) for _ in range(n)], reps, rounds)
+
+    qk = ours(dim, (q.numpy(), 0, dim, 1), k_view, (scores, 0, KEYS), KEYS)
+    rows.append(("QK^T", "fp32", flops, qk, torch_mm(q, k.T)))
+    pv = ours(KEYS, (p.numpy(), 0, KEYS, 1), (v.numpy(), 0, dim, 16), (acc, 0, dim), dim)
+    rows.append(("PV", "fp32", flops, pv, torch_mm(p, v)))
+    dq = median_seconds(lambda n: repeat_gemm(n, p.numpy(), k.numpy(), acc, False, False), reps,
+                        rounds)  # fmt: skip
+    rows.append(("dS K (gemm_fp32)", "fp32", flops, dq, torch_mm(p, k)))
+    dk = np.zeros((KEYS, dim), np.float32)
+    dkt = median_seconds(lambda n: repeat_gemm(n, p.numpy(), q.numpy(), dk, True, False), reps,
+                         rounds)  # fmt: skip
+    rows.append(("dS^T Q (gemm_fp32)", "fp32", flops, dkt, torch_mm(p.T, q)))
+    qkt = median_seconds(lambda n: repeat_gemm(n, q.numpy(), k.numpy(), scores, False, True),
+                         reps, rounds)  # fmt: skip
+    rows.append(("QK^T (gemm_fp32, B packed per call)", "fp32", flops, qkt, torch_mm(q, k.T)))
+
+    q16, k16, v16, p16 = (t.bfloat16() for t in (q, k, v, p))
+    panels16 = np.empty((KEYS // 16, dim // 2, 32), np.uint16)
+    pack_key_panels(bits(k16), panels16)
+    qk16 = ours(dim // 2, (bits(q16), 0, dim, 1), (panels16, 0, 32, dim * 16),
+                (scores, 0, KEYS), KEYS)  # fmt: skip
+    rows.append(("QK^T", "bf16", flops, qk16, torch_mm(q16, k16.T)))
+    v_pairs = np.empty((KEYS // 2, 2 * dim), np.uint16)
+    pack_vnni(bits(v16), v_pairs)
+    pv16 = ours(KEYS // 2, (bits(p16), 0, KEYS, 1), (v_pairs, 0, 2 * dim, 32), (acc, 0, dim), dim)
+    rows.append(("PV", "bf16", flops, pv16, torch_mm(p16, v16)))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    peaks = {"fp32": peak_flops("fp32"), "bf16": peak_flops("bf16")}
+    cpu = cpu_description()
+    print(f"{cpu['cpu_model']} ({cpu['vector_isa']}), one thread; peaks from register-only "
+          f"loops: fp32 FMA {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 dot "
+          + (f"{peaks['bf16'] / 1e9:.0f} GFLOP/s" if peaks["bf16"] else "none"))  # fmt: skip
+    print(
+        "| E | product | dtype | ours GFLOP/s | of peak | torch.mm GFLOP/s | of peak | ours / torch |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for dim in args.head_dims:
+        for name, dtype, flops, ours, theirs in products(dim, args.rounds):
+            peak = peaks[dtype] or peaks["fp32"]
+            print(f"| {dim} | {name} | {dtype} | {flops / ours / 1e9:.0f} | "
+                  f"{flops / ours / peak:.0%} | {flops / theirs / 1e9:.0f} | "
+                  f"{flops / theirs / peak:.0%} | {theirs / ours:.2f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
