@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from attnperf.kernels.numba.jit import njit
-from attnperf.machine import cpu_description
 from attnperf.kernels.numba.microkernels import (
     gemm_fp32,
     pack_key_panels,
@@ -30,6 +29,7 @@ from attnperf.kernels.numba.microkernels import (
     peak_flops,
     tile_product,
 )
+from attnperf.machine import cpu_description
 
 ROWS, KEYS = 128, 512
 
@@ -120,9 +120,9 @@ def main():
     print(f"{cpu['cpu_model']} ({cpu['vector_isa']}), one thread; peaks from register-only "
           f"loops: fp32 FMA {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 dot "
           + (f"{peaks['bf16'] / 1e9:.0f} GFLOP/s" if peaks["bf16"] else "none"))  # fmt: skip
-    print(
-        "| E | product | dtype | ours GFLOP/s | of peak | torch.mm GFLOP/s | of peak | ours / torch |"
-    )
+    columns = ("E", "product", "dtype", "ours GFLOP/s", "of peak", "torch.mm GFLOP/s",
+               "of peak", "ours / torch")  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|---|---|")
     for dim in args.head_dims:
         for name, dtype, flops, ours, theirs in products(dim, args.rounds):
