@@ -205,7 +205,35 @@ def packed_forward(q, key_panels, v, value_pairs, variant, scale, out, stats, bl
 
 
 @njit(fastmath=FASTMATH)
-def probabilities(q_tile, k_tile, p, dtanh, variant, b, h, i0, j0, structure, scale2, stats):
+def product_with_transposed(a, x_tile, panels, b, hk, j0, out, alpha, tiles):
+    """out = alpha * a @ x_tile^T (x_tile: keys j0.. of head hk of sequence b): from x's
+    panels, packed once per call (`pack_panels`), where they are given, else by `product`
+    (which packs x_tile^T per call on our tiles)."""
+    if panels.shape[0] == 0:
+        product(a, x_tile, out, alpha, 0.0, False, True, tiles)
+        return
+    depth = panels.shape[3]
+    size = depth * LANES
+    a_view = (a, 0, a.strides[0] // 4, 1)
+    x_view = (panels[b, hk], j0 // LANES * size, LANES, size)
+    out_view = (out, 0, out.strides[0] // 4)
+    tile_product(depth, alpha, 0.0, a_view, x_view, out_view, a.shape[0], x_tile.shape[0])
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def pack_panels(x, variant, panels):
+    """panels (NS, Hk, S16, E, 16) <- each sequence's keys (or values) of x, per kv head, as
+    `pack_key_panels`: x^T for the micro-kernels, a sequence starting at a panel."""
+    kv_heads = x.shape[1]
+    for item in prange(variant[4].shape[0] * kv_heads):
+        b, hk, _ = split_index(item, kv_heads, 1)
+        slot, _, _, k0, kv_len = sequence(variant, b)
+        pack_key_panels(x[slot, hk, k0 : k0 + kv_len], panels[b, hk])
+
+
+@njit(fastmath=FASTMATH)
+def probabilities(q_tile, k_tile, p, dtanh, variant, b, h, i0, j0, structure, scale2, stats,
+                  key_panels, hk):  # fmt: skip
     """p[:rows, :cols] <- P of one (query tile, key tile), from the rows' saved max and sum
     (stats[i0:i0 + rows]): kept apart, they hold the sum where max + log2(sum) would round
     it away (scores near finfo.min). With a softcap, dtanh <- its gradient factor.
@@ -214,7 +242,8 @@ def probabilities(q_tile, k_tile, p, dtanh, variant, b, h, i0, j0, structure, sc
     to vectorise (a [:rows, :cols] view's rows are not typed so).
     """
     rows, cols = q_tile.shape[0], k_tile.shape[0]
-    product(q_tile, k_tile, p[:rows, :cols], scale2, 0.0, False, True, variant[13])
+    product_with_transposed(q_tile, k_tile, key_panels, b, hk, j0, p[:rows, :cols], scale2,
+                            variant[13])  # fmt: skip
     modify_scores(p, variant, b, h, i0, j0, rows, cols, structure, dtanh)
     for r in range(rows):
         total = stats[i0 + r, 1]
@@ -243,7 +272,7 @@ def through_softcap(ds, dtanh, rows, cols):
 
 @njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dq(
-    q, k, v, variant, scale, stats, grad_out, delta, dq, dmask, block_m, block_n
+    q, k, v, panels, variant, scale, stats, grad_out, delta, dq, dmask, block_m, block_n
 ):
     """dq += (and the float mask's gradient dS into dmask, unless it is empty) per query
     tile."""
@@ -272,9 +301,9 @@ def attention_backward_dq(
             ds = ds_buffer[:, :cols]
             probabilities(
                 q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
-                stats[slot, h, q0 : q0 + q_len],
+                stats[slot, h, q0 : q0 + q_len], panels[0], hk,
             )  # fmt: skip
-            product(do_tile, v_tile, ds, 1.0, 0.0, False, True, variant[13])
+            product_with_transposed(do_tile, v_tile, panels[1], b, hk, j0, ds, 1.0, variant[13])
             score_gradients(
                 p_buffer, ds_buffer, delta[slot, h, q0 + i0 : q0 + i0 + rows], rows, cols
             )
@@ -296,7 +325,7 @@ def attention_backward_dq(
 
 @njit(fastmath=FASTMATH)
 def key_tile_gradients(
-    q, k, v, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask,
+    q, k, v, panels, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask,
     b, hk, j0, cols, block_m, p_buffer, ds_buffer, dtanh, with_dq,
 ):  # fmt: skip
     """dk, dv += those of keys j0..j0+cols of head hk, over the query heads of its group.
@@ -324,10 +353,10 @@ def key_tile_gradients(
             p, ds = p_buffer[:rows, :cols], ds_buffer[:rows, :cols]
             probabilities(
                 q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
-                stats[slot, h, q0 : q0 + q_len],
+                stats[slot, h, q0 : q0 + q_len], panels[0], hk,
             )  # fmt: skip
             product(p, do_tile, dv_tile, 1.0, 1.0, True, False, variant[13])
-            product(do_tile, v_tile, ds, 1.0, 0.0, False, True, variant[13])
+            product_with_transposed(do_tile, v_tile, panels[1], b, hk, j0, ds, 1.0, variant[13])
             score_gradients(p_buffer, ds_buffer, delta[slot, h, queries], rows, cols)
             if want_dmask:  # plain calls only: slot b, no row offsets
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
@@ -340,7 +369,7 @@ def key_tile_gradients(
 
 @njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dkdv(
-    q, k, v, variant, scale, stats, grad_out, delta, dk, dv, block_m, block_n
+    q, k, v, panels, variant, scale, stats, grad_out, delta, dk, dv, block_m, block_n
 ):
     """dk, dv += per key tile, summed over every query head of the key/value head's group."""
     kv_heads = k.shape[1]
@@ -357,14 +386,14 @@ def attention_backward_dkdv(
         ds_buffer = np.empty((block_m, cols), np.float32)
         dtanh = np.empty((block_m if softcapped else 0, cols), np.float32)
         key_tile_gradients(
-            q, k, v, variant, scale, stats, grad_out, delta, unused, dk, dv, unused,
+            q, k, v, panels, variant, scale, stats, grad_out, delta, unused, dk, dv, unused,
             b, hk, j0, cols, block_m, p_buffer, ds_buffer, dtanh, False,
         )  # fmt: skip
 
 
 @njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_fused(
-    q, k, v, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask, block_m, block_n
+    q, k, v, panels, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask, block_m, block_n
 ):
     """dq, dk, dv += (and dS into an L x S dmask) in one pass: P and dP are computed once.
 
@@ -381,7 +410,7 @@ def attention_backward_fused(
         dtanh = np.empty((block_m if softcapped else 0, block_n), np.float32)
         for j0 in range(0, kv_len, block_n):
             key_tile_gradients(
-                q, k, v, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask,
+                q, k, v, panels, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask,
                 b, hk, j0, min(block_n, kv_len - j0), block_m, p_buffer, ds_buffer, dtanh,
                 True,
             )  # fmt: skip
@@ -481,6 +510,22 @@ def tile_sizes(inputs: AttentionInputs, backward: bool = False) -> tuple[int, in
     return BANDED_BLOCK_M, min(BANDED_BACKWARD_BLOCK_N, BLOCK_N) if backward else BLOCK_N
 
 
+def transposed_panels(k, v, variant) -> tuple[np.ndarray, np.ndarray]:
+    """K and V packed once as panels for the backward's two products against their
+    transposes (S = Q K^T, dP = dO V^T) on our tiles; empty on BLAS tiles."""
+    if variant[13] != OWN_TILES:
+        empty = np.zeros((0, 0, 0, 0, 0), np.float32)
+        return empty, empty
+    count, kv_heads = variant[4].shape[0], k.shape[1]
+    panels = (longest(variant, 4) + LANES - 1) // LANES
+    packed = []
+    for x in (k, v):
+        x_panels = np.empty((count, kv_heads, panels, x.shape[3], LANES), np.float32)
+        run_parallel(pack_panels, x, variant, x_panels)
+        packed.append(x_panels)
+    return packed[0], packed[1]
+
+
 def fused_backward_pays(items: int, threads: int) -> bool:
     """Whether the one-pass backward beats the two passes for `items` (batch, kv head) pairs.
 
@@ -527,7 +572,8 @@ def numba_attention_backward(
         )
     if inputs.has_pairs:
         run_parallel(softmax_delta, as_fp32(out), do, stats, lse_grad, delta)
-        common = (q, k, v, variant, inputs.scale, stats, do, delta)
+        common = (q, k, v, transposed_panels(k, v, variant), variant, inputs.scale, stats, do,
+                  delta)  # fmt: skip
         blocks = tile_sizes(inputs, backward=True)
         if fused:
             grads = dq_array, dk_array, dv_array, dmask_array

@@ -30,12 +30,16 @@ def float32_from_bits(typingctx, bits):
 
 @intrinsic
 def widen(typingctx, x):
-    """An element as float32: a float32 itself, or a bf16 held as its uint16 bits (numpy has
-    no bf16) widened exactly (its bits are float32's upper half; vectorises)."""
-    if x == types.float32:
-        return types.float32(x), lambda context, builder, signature, args: args[0]
-    if x != types.uint16:
+    """An element as float32: a bf16 held as its uint16 bits (numpy has no bf16) widened
+    exactly (its bits are float32's upper half; vectorises); any other number by value."""
+    if not isinstance(x, types.Number):
         return None
+    if x != types.uint16:
+
+        def convert(context, builder, signature, args):
+            return context.cast(builder, args[0], x, types.float32)
+
+        return types.float32(x), convert
 
     def codegen(context, builder, signature, args):
         bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
