@@ -241,12 +241,13 @@ def bench_serving(args: argparse.Namespace) -> int:
         draft_tokens=args.draft_tokens,
         heads=args.heads,
         head_dim=args.head_dim,
+        dtype=args.dtype,
         rounds=args.rounds or defaults.rounds,
         threads=args.threads or torch.get_num_threads(),
     )
     show, progress = table_printers()
     cpu = cpu_description()
-    where = f"{config.threads} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}), fp32"
+    where = f"{config.threads} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}), {config.dtype}"
 
     report = {"config": vars(config) | {"machine": cpu}}
     if args.decode:

@@ -46,6 +46,7 @@ class ServingConfig:
     seed: int = 0
     heads: int = 8  # --varlen's heads and head dim
     head_dim: int = 64
+    dtype: str = "float32"  # --decode's query and cache (float32 or bfloat16)
     rounds: int = 5
     threads: int = field(default_factory=torch.get_num_threads)
 
@@ -94,18 +95,19 @@ def race(config: ServingConfig, calls: dict[str, Callable]) -> dict[str, Contend
 # ---------------------------------------------------------------------------- decode
 class DecodeCall:
     """attention_with_kvcache of `tokens` query tokens (bottom-right causal when more than
-    one: a speculative step) over a full contiguous fp32 cache."""
+    one: a speculative step) over a full contiguous cache in `dtype`."""
 
     def __init__(self, backend, batch, length, heads, kv_heads, head_dim, num_splits=0,
-                 tokens=1):  # fmt: skip
-        self.args = (backend, batch, length, heads, kv_heads, head_dim, num_splits, tokens)
+                 tokens=1, dtype=torch.float32):  # fmt: skip
+        self.args = (backend, batch, length, heads, kv_heads, head_dim, num_splits, tokens,
+                     dtype)  # fmt: skip
 
     def __call__(self) -> Callable[[], object]:
-        backend, batch, length, heads, kv_heads, head_dim, num_splits, tokens = self.args
+        backend, batch, length, heads, kv_heads, head_dim, num_splits, tokens, dtype = self.args
         gen = torch.Generator().manual_seed(0)
-        q = torch.randn(batch, tokens, heads, head_dim, generator=gen)
+        q = torch.randn(batch, tokens, heads, head_dim, generator=gen).to(dtype)
         k_cache, v_cache = (torch.randn(batch, length, kv_heads, head_dim, generator=gen)
-                            for _ in range(2))  # fmt: skip
+                            .to(dtype) for _ in range(2))  # fmt: skip
         return lambda: attnperf.attention_with_kvcache(
             q, k_cache, v_cache, length, is_causal=tokens > 1, backend=backend,
             num_splits=num_splits,
@@ -204,24 +206,25 @@ def peak_rate(dtype: str, threads: int) -> float | None:
     return (per_thread or peak_flops("fp32")) * threads
 
 
-def kv_bytes(batch: int, length: int, kv_heads: int, head_dim: int) -> int:
-    """Bytes of K and V that one decode step must read (fp32)."""
-    return 2 * batch * length * kv_heads * head_dim * 4
+def kv_bytes(batch: int, length: int, kv_heads: int, head_dim: int, element_size: int = 4) -> int:
+    """Bytes of K and V that one decode step must read (fp32: 4 bytes an element)."""
+    return 2 * batch * length * kv_heads * head_dim * element_size
 
 
-def decode_calls(batch: int, length: int, tokens: int = 1) -> dict[str, Callable]:
-    """numba's step and SDPA's two forms at one point (Llama-3-8B's heads)."""
+def decode_calls(batch: int, length: int, tokens: int = 1,
+                 dtype: torch.dtype = torch.float32) -> dict[str, Callable]:  # fmt: skip
+    """numba's step and SDPA's two forms at one point (Llama-3-8B's heads), in `dtype`."""
     shape = (DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM)
-    return {"numba": DecodeCall("numba", batch, length, *shape, tokens=tokens),
-            "sdpa rows": SdpaDecodeCall("rows", batch, length, *shape, tokens=tokens),
-            "sdpa gqa": SdpaDecodeCall("gqa", batch, length, *shape, tokens=tokens)}  # fmt: skip
+    return {"numba": DecodeCall("numba", batch, length, *shape, tokens=tokens, dtype=dtype),
+            "sdpa rows": SdpaDecodeCall("rows", batch, length, *shape, tokens, dtype),
+            "sdpa gqa": SdpaDecodeCall("gqa", batch, length, *shape, tokens, dtype)}  # fmt: skip
 
 
 def decode_row(batch: int, length: int, timed: dict[str, Contender], bandwidth: float,
-               tokens: int = 1) -> dict:  # fmt: skip
+               tokens: int = 1, element_size: int = 4) -> dict:  # fmt: skip
     """One decode point: each call's time, K and V read per second and its share of the
     read bandwidth; numba's speed against each SDPA form (> 1: numba faster)."""
-    read = kv_bytes(batch, length, DECODE_KV_HEADS, DECODE_HEAD_DIM)
+    read = kv_bytes(batch, length, DECODE_KV_HEADS, DECODE_HEAD_DIM, element_size)
     row = {"batch": batch, "length": length, "tokens": tokens}
     for label, result in timed.items():
         key = label.replace(" ", "_")
@@ -247,24 +250,27 @@ def decode_sweep(config: ServingConfig, on_progress: Callable[[str], None]) -> d
     all in one run."""
     copy, bandwidth = read_bandwidth(config)
     on_progress(f"bandwidth: copy {copy / 1e9:.1f} GB/s, read {bandwidth / 1e9:.1f} GB/s")
+    dtype = getattr(torch, config.dtype)
+    size = dtype.itemsize
     rows = []
     for batch in config.batches:
         for length in config.decode_lengths:
-            rows.append(decode_row(batch, length, race(config, decode_calls(batch, length)),
-                                   bandwidth))  # fmt: skip
+            timed = race(config, decode_calls(batch, length, dtype=dtype))
+            rows.append(decode_row(batch, length, timed, bandwidth, element_size=size))
             on_progress(f"decode B={batch} S={length}: numba {rows[-1]['vs_sdpa_rows']:.2f}x "
                         "sdpa rows")  # fmt: skip
     speculative = []  # SDPA has no exact maskless packing for these: reported apart
     for batch in config.batches if config.draft_tokens > 1 else ():
         for length in config.decode_lengths:
-            timed = race(config, decode_calls(batch, length, config.draft_tokens))
-            speculative.append(decode_row(batch, length, timed, bandwidth, config.draft_tokens))
+            timed = race(config, decode_calls(batch, length, config.draft_tokens, dtype))
+            speculative.append(decode_row(batch, length, timed, bandwidth, config.draft_tokens,
+                                          size))  # fmt: skip
             on_progress(f"speculative B={batch} S={length}: numba "
                         f"{speculative[-1]['vs_sdpa_rows']:.2f}x sdpa rows")  # fmt: skip
     shape = (DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM)
     splits = []  # B = 1, below the thread count: split-K is what keeps the threads busy
     for length in config.decode_lengths:
-        calls = {n: DecodeCall("numba", 1, length, *shape, num_splits=s)
+        calls = {n: DecodeCall("numba", 1, length, *shape, num_splits=s, dtype=dtype)
                  for n, s in (("one pass", 1), ("split-K", 0))}  # fmt: skip
         timed = race(config, calls)
         single, split = timed["one pass"].median_s, timed["split-K"].median_s
