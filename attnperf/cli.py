@@ -12,7 +12,7 @@ import torch
 
 import attnperf
 from attnperf import cpu_table, dispatch
-from attnperf.bench import linear, serving, tune
+from attnperf.bench import linear, serving, summary, tune
 from attnperf.bench.beyond import beyond_sdpa
 from attnperf.bench.report import (
     FIT_NOTE,
@@ -104,7 +104,7 @@ def tune_command(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 160)
     lengths = tuple(args.lengths or tune.LENGTHS)
     decode_lengths = tuple(args.decode_lengths or tune.DECODE_LENGTHS)
-    jobs = len(tune.SHAPES) * len(lengths) * 2 * 2 * 2 + len(decode_lengths)
+    jobs = len(tune.DTYPES) * len(tune.SHAPES) * len(lengths) * 2 * 2 * 2 + len(decode_lengths)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("tuning", total=jobs)
         table = tune.calibrate(
@@ -113,12 +113,12 @@ def tune_command(args: argparse.Namespace) -> int:
         )  # fmt: skip
     path = tune.write_table(table)
     for rule in table["rules"]:
-        kind = (f"E={rule['head_dim']}{' GQA' if rule['gqa'] else ''} "
+        kind = (f"{rule['dtype']} E={rule['head_dim']}{' GQA' if rule['gqa'] else ''} "
                 f"{'causal' if rule['causal'] else 'full'} "
                 f"{'forward+backward' if rule['backward'] else 'forward'}")  # fmt: skip
         ratios = ", ".join(f"L={length}: {ratio:.2f}x" for length, ratio in rule["ratios"].items())
         first = f"numba from L={rule['numba_from']}" if rule["numba_from"] else "sdpa"
-        console.print(f"{kind:32s} {first:22s} numba/sdpa {ratios}", highlight=False)
+        console.print(f"{kind:41s} {first:22s} numba/sdpa {ratios}", highlight=False)
     decode = table["decode"]
     start = decode["numba_from_bytes"]
     first = f"numba from {start / 2**20:.0f} MiB" if start else "sdpa"
@@ -232,6 +232,17 @@ def table_printers():
     return show, progress
 
 
+def bench_summary(args: argparse.Namespace) -> int:
+    """The verdict table: one short point per case, on this CPU (a few minutes)."""
+    cpu, threads = cpu_description(), args.threads or torch.get_num_threads()
+    where = f"{cpu['cpu_model']} ({cpu['vector_isa']}), {threads} threads"
+    rows = summary.summary_rows(
+        args.rounds or 3, threads, lambda text: print(text, file=sys.stderr)
+    )
+    print(summary.summary_markdown(rows, where))
+    return 0
+
+
 def bench_serving(args: argparse.Namespace) -> int:
     """--decode and --varlen: the serving sweeps, printed and written to serving.json."""
     defaults = serving.ServingConfig()
@@ -247,7 +258,9 @@ def bench_serving(args: argparse.Namespace) -> int:
     )
     show, progress = table_printers()
     cpu = cpu_description()
-    where = f"{config.threads} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}), {config.dtype}"
+    where = (
+        f"{config.threads} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}), {config.dtype}"
+    )
 
     report = {"config": vars(config) | {"machine": cpu}}
     if args.decode:
@@ -415,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     b = commands.add_parser(
         "bench", help="time and memory vs sequence length, every backend against sdpa"
     )
+    b.add_argument(
+        "--summary",
+        action="store_true",
+        help="the README's verdict on this CPU: one short point per case (dense "
+        "fp32 and bf16, short, window, decode, varlen), a few minutes",
+    )
     b.add_argument("--quick", action="store_true",
                    help="L in 256..1024, 7 rounds, no 'beyond SDPA' section (for CI)")  # fmt: skip
     b.add_argument("--no-beyond", action="store_true",
@@ -499,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--kv-heads must divide --heads ({args.heads}), got {args.kv_heads}")
         baseline = load_baseline(parser, args.baseline) if args.baseline else None
         check_output_folder(parser, args.out)
+        if args.summary:
+            return bench_summary(args)
         if args.linear:
             return bench_linear(args)
         if args.decode or args.varlen:

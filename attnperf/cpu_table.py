@@ -27,6 +27,7 @@ from attnperf.serving import KVCacheInputs
 from attnperf.version import __version__
 
 SCHEMA = 1
+MEASURED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # `attnperf tune`'s
 FILE_NAME = "cpu-dispatch.json"
 
 
@@ -69,7 +70,7 @@ def _fingerprint(threads: int) -> dict:
 @dataclass(frozen=True)
 class Rule:
     """One measured class and its decision: numba first from `numba_from` = L = S on (None:
-    never, within the lengths measured)."""
+    never, within the lengths measured). A table without a dtype holds fp32 rules."""
 
     head_dim: int
     gqa: bool
@@ -77,6 +78,7 @@ class Rule:
     backward: bool
     numba_from: int | None
     ratios: dict[int, float]  # numba's speed / sdpa's, same run, per length
+    dtype: str = "float32"  # "float32" or "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -182,16 +184,17 @@ def decode_numba_leads(inputs: KVCacheInputs, rule: DecodeRule) -> bool:
 def numba_leads(inputs: AttentionInputs, rules: list[Rule]) -> bool:
     """Whether the measured rules put numba first for this CPU call.
 
-    Only what was measured counts: fp32 without a mask, a head dim up to a measured one (the
-    next one up stands for it), grouped-query calls only with a (batch, kv head) pair per
-    thread (numba's backward shares its work out by them)."""
-    if inputs.dtype != torch.float32 or inputs.attn_mask is not None:
+    Only what was measured counts: fp32 or bf16 without a mask, a head dim up to a measured
+    one (the next one up stands for it), grouped-query calls only with a (batch, kv head)
+    pair per thread (numba's backward shares its work out by them)."""
+    dtype = MEASURED_DTYPES.get(inputs.dtype)
+    if dtype is None or inputs.attn_mask is not None:
         return False
     gqa = inputs.q_heads != inputs.kv_heads
     if gqa and inputs.batch * inputs.kv_heads < torch.get_num_threads():
         return False
     head_dim = max(inputs.head_dim, inputs.value_dim)
-    fitting = [r for r in rules if r.gqa == gqa and r.head_dim >= head_dim
+    fitting = [r for r in rules if r.dtype == dtype and r.gqa == gqa and r.head_dim >= head_dim
                and r.causal == inputs.is_causal and r.backward == inputs.needs_grad]  # fmt: skip
     if not fitting:
         return False

@@ -57,6 +57,7 @@ CALLS = {
     "head-dim-256-unmeasured": ((big(head_dim=256), {"is_causal": True}), False),
     "masked": ((big(), {"attn_mask": torch.ones(2048, 2048, dtype=torch.bool)}), False),
     "fp16": ((tuple(t.half() for t in big()), {"is_causal": True}), False),
+    "bf16-unmeasured": ((tuple(t.bfloat16() for t in big()), {"is_causal": True}), False),
     "gqa-2-kv-heads-training": ((big(requires_grad=True, kv_heads=2), {}), True),
     "gqa-fewer-kv-heads-than-threads": ((big(requires_grad=True, kv_heads=1), {}), False),
 }
@@ -71,6 +72,18 @@ def order(tensors, options):
 def test_auto_follows_the_measured_table(call, numba_first, cache):
     tune.write_table(measured_table(), cache / cpu_table.FILE_NAME)
     assert order(*call) == (("numba", "sdpa") if numba_first else ("sdpa", "numba"))
+
+
+def test_bf16_calls_follow_their_own_rules(cache):
+    """bf16 rules (`dtype`) decide bf16 calls only; the fp32 ones stay fp32's."""
+    table = measured_table()
+    bf16 = [{**rule, "dtype": "bfloat16", "numba_from": 1024} for rule in table["rules"]]
+    fp32 = [{**rule, "numba_from": None} for rule in table["rules"]]
+    tune.write_table({**table, "rules": fp32 + bf16}, cache / cpu_table.FILE_NAME)
+    causal = {"is_causal": True}
+    assert order(tuple(t.bfloat16() for t in big()), causal) == ("numba", "sdpa")
+    assert order(big(), causal) == ("sdpa", "numba")
+    assert order(tuple(t.half() for t in big()), causal) == ("sdpa", "numba")
 
 
 def test_without_a_table_cpu_calls_go_to_sdpa_first(cache):
@@ -156,7 +169,8 @@ def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
                             check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     table = json.loads((tmp_path / cpu_table.FILE_NAME).read_text())
-    assert len(table["rules"]) == len(tune.SHAPES) * 4
+    assert len(table["rules"]) == len(tune.DTYPES) * len(tune.SHAPES) * 4
+    assert {rule["dtype"] for rule in table["rules"]} == set(tune.DTYPES)
     assert all(set(rule["ratios"]) == {"64", "128"} for rule in table["rules"])
     assert len(table["decode"]["ratios"]) == 2
     info = subprocess.run([sys.executable, "-m", "attnperf", "info"], capture_output=True,

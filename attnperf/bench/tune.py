@@ -1,10 +1,11 @@
 """`attnperf tune`: numba against sdpa measured on this machine, written as the table that
 "auto" reads (attnperf.cpu_table).
 
-`calibrate` times both on the call classes that matter (causal or not, forward or with
-backward, head dims 64 and 128, grouped-query or not, L = S from 1024 up) in processes of
-their own (attnperf.bench.sweep), and `write_table` stores, per class, the shortest length
-from which numba was at least as fast as sdpa at that length and every longer one measured.
+`calibrate` times both on the call classes that matter (fp32 and bf16, causal or not,
+forward or with backward, head dims 64 and 128, grouped-query or not, L = S from 1024 up)
+in processes of their own (attnperf.bench.sweep), and `write_table` stores, per class, the
+shortest length from which numba was at least as fast as sdpa at that length and every
+longer one measured.
 Decoding steps likewise (attnperf.bench.serving): the smallest cache, in bytes of K and V,
 from which numba's step was at least as fast as sdpa's, which packs the group as rows.
 """
@@ -12,6 +13,7 @@ from which numba's step was at least as fast as sdpa's, which packs the group as
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import asdict
@@ -27,6 +29,7 @@ from attnperf.cpu_table import SCHEMA, DecodeRule, Rule, fingerprint, load_table
 # and grouped-query (4 query heads per kv head) at 64.
 SHAPES = ((8, 8, 64), (4, 4, 128), (8, 2, 64))
 LENGTHS = (1024, 2048, 4096)
+DTYPES = ("float32", "bfloat16")  # bf16: numba's bf16 micro-kernels against SDPA's bf16
 # Decoding: one token, B = 1, Llama-3-8B's heads; 8 to 512 MiB of K and V.
 DECODE_LENGTHS = (1024, 4096, 16384, 65536)
 
@@ -68,11 +71,11 @@ def calibrate(
     """Time numba and sdpa over the classes; the table (not yet written)."""
     threads = threads or torch.get_num_threads()
     rules = []
-    for heads, kv_heads, head_dim in SHAPES:
+    for dtype, (heads, kv_heads, head_dim) in itertools.product(DTYPES, SHAPES):
         config = BenchConfig(
             lengths=tuple(lengths), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            causal=(False, True), passes=PASSES, backends=("sdpa", "numba"), rounds=rounds,
-            threads=threads, memory=False,
+            dtype=dtype, causal=(False, True), passes=PASSES, backends=("sdpa", "numba"),
+            rounds=rounds, threads=threads, memory=False,
         )  # fmt: skip
         points = run_sweep(config, on_progress)
         medians = {(p.backend, p.length, p.causal, p.pass_): p.median_s for p in points}
@@ -85,7 +88,7 @@ def calibrate(
                     if sdpa and numba:
                         ratios[length] = round(sdpa / numba, 3)
                 rule = Rule(head_dim, kv_heads != heads, causal, pass_ != "forward",
-                            numba_from(ratios), ratios)  # fmt: skip
+                            numba_from(ratios), ratios, dtype)  # fmt: skip
                 rules.append(asdict(rule))
     decode = calibrate_decode(decode_lengths, rounds, threads, on_progress or (lambda _: None))
     return {

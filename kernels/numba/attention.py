@@ -49,6 +49,10 @@ BLOCK_N = 512
 # windows of 256 and 1024, L = 4096 (of 32/64/128 x 128/256/512).
 BANDED_BLOCK_M = 64
 BANDED_BACKWARD_BLOCK_N = 128
+# A forward of fewer FLOPs runs on the calling thread: waking numba's threads for a parallel
+# region cost 0.1-0.2 ms here, what one thread computes of ~16-32 MFLOP. B = 1, H = 8,
+# L = 64 (8 MFLOP): 0.46 ms a call against 1.08 ms with packing and forward on the threads.
+SERIAL_MAX_FLOPS = 1 << 25
 
 
 @njit(fastmath=FASTMATH)
@@ -116,19 +120,32 @@ def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n
             stats[slot, h, q0 + i0 + r, 1] = total
 
 
+@njit(fastmath=FASTMATH)
+def pack_sequence(k, v, variant, key_panels, value_pairs, item):
+    """Item (sequence, kv head) of `pack_operands`."""
+    kv_heads = k.shape[1]
+    b, hk, _ = split_index(item, kv_heads, 1)
+    slot, _, _, k0, kv_len = sequence(variant, b)
+    pack_key_panels(k[slot, hk, k0 : k0 + kv_len], key_panels[b, hk])
+    if value_pairs.shape[0] > 0:
+        pack_vnni(v[slot, hk, k0 : k0 + kv_len], value_pairs[b, hk])
+
+
 @njit(parallel=True, fastmath=FASTMATH)
 def pack_operands(k, v, variant, key_panels, value_pairs):
     """Each sequence's keys and values packed once for the micro-kernels, per (sequence,
     kv head): key_panels (NS, Hk, S16, depth, 16 w) as `pack_key_panels`, and for bf16
     value_pairs (NS, Hk, ceil(S / 2), 2 Ev) as `pack_vnni` (empty for fp32: V is read in
     place). A sequence starts at a panel, whatever its offset in k and v."""
-    kv_heads = k.shape[1]
-    for item in prange(variant[4].shape[0] * kv_heads):
-        b, hk, _ = split_index(item, kv_heads, 1)
-        slot, _, _, k0, kv_len = sequence(variant, b)
-        pack_key_panels(k[slot, hk, k0 : k0 + kv_len], key_panels[b, hk])
-        if value_pairs.shape[0] > 0:
-            pack_vnni(v[slot, hk, k0 : k0 + kv_len], value_pairs[b, hk])
+    for item in prange(variant[4].shape[0] * k.shape[1]):
+        pack_sequence(k, v, variant, key_panels, value_pairs, item)
+
+
+@njit(fastmath=FASTMATH)
+def pack_operands_serial(k, v, variant, key_panels, value_pairs):
+    """pack_operands on the calling thread (a small call: see SERIAL_MAX_FLOPS)."""
+    for item in range(variant[4].shape[0] * k.shape[1]):
+        pack_sequence(k, v, variant, key_panels, value_pairs, item)
 
 
 @njit(fastmath=FASTMATH)
@@ -143,12 +160,10 @@ def round_probabilities(p, p16, rows, cols):
             p16_row[cols] = 0
 
 
-@njit(parallel=True, fastmath=FASTMATH)
-def packed_forward(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                   block_n):  # fmt: skip
-    """online_softmax_forward on our micro-kernels over packed keys: fp32 (q, v float32) or
-    bf16 (q, v bf16 bits, values packed in pairs, P rounded to bf16 before P V; E even).
-    Scores, softmax and accumulation in fp32."""
+@njit(fastmath=FASTMATH)
+def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
+                      block_n, item):  # fmt: skip
+    """Item (sequence, query head, query tile) of `packed_forward`."""
     bf16 = value_pairs.shape[0] > 0
     q_heads, kv_heads, value_dim = q.shape[1], key_panels.shape[1], v.shape[3]
     group = q_heads // kv_heads
@@ -158,7 +173,7 @@ def packed_forward(q, key_panels, v, value_pairs, variant, scale, out, stats, bl
     q_strides = (q.strides[0] // q.itemsize, q.strides[1] // q.itemsize, q.strides[2] // q.itemsize)
     v_strides = (v.strides[0] // v.itemsize, v.strides[1] // v.itemsize, v.strides[2] // v.itemsize)
     panels = key_panels.shape[2]
-    for item in prange(variant[4].shape[0] * q_heads * q_tiles):
+    for _ in range(1):  # one item (`continue` leaves it)
         b, h, tile = split_index(item, q_heads, q_tiles)
         slot, q0, q_len, k0, kv_len = sequence(variant, b)
         i0 = tile * block_m
@@ -202,6 +217,28 @@ def packed_forward(q, key_panels, v, value_pairs, variant, scale, out, stats, bl
                 out[slot, h, q0 + i0 + r, e] = acc[r, e] * inv
             stats[slot, h, q0 + i0 + r, 0] = row_max
             stats[slot, h, q0 + i0 + r, 1] = total
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def packed_forward(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
+                   block_n):  # fmt: skip
+    """online_softmax_forward on our micro-kernels over packed keys: fp32 (q, v float32) or
+    bf16 (q, v bf16 bits, values packed in pairs, P rounded to bf16 before P V; E even).
+    Scores, softmax and accumulation in fp32."""
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
+    for item in prange(variant[4].shape[0] * q.shape[1] * q_tiles):
+        packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
+                          block_n, item)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def packed_forward_serial(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
+                          block_n):  # fmt: skip
+    """packed_forward on the calling thread (a small call: see SERIAL_MAX_FLOPS)."""
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
+    for item in range(variant[4].shape[0] * q.shape[1] * q_tiles):
+        packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
+                          block_n, item)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -453,13 +490,24 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
                 *tile_sizes(inputs),
             )  # fmt: skip
         else:
-            key_panels, value_pairs = packed_operands(k, v, variant, kind)
-            run_parallel(
-                packed_forward, q, key_panels, v, value_pairs, variant, inputs.scale,
-                out_array, stats_array, *tile_sizes(inputs),
-            )  # fmt: skip
+            serial = forward_flops(inputs, variant) < SERIAL_MAX_FLOPS
+            key_panels, value_pairs = packed_operands(k, v, variant, kind, serial)
+            args = (q, key_panels, v, value_pairs, variant, inputs.scale, out_array, stats_array,
+                    *tile_sizes(inputs))  # fmt: skip
+            if serial:
+                packed_forward_serial(*args)
+            else:
+                run_parallel(packed_forward, *args)
     # A bf16 call of odd E ran on a zero column more (its pairs whole).
     return out[..., : inputs.value.shape[3]].to(inputs.dtype), stats
+
+
+def forward_flops(inputs: AttentionInputs, variant: tuple) -> int:
+    """The forward's FLOPs if every (query, key) pair of each sequence took part (from the
+    lowered variant's sequence table: `inputs.sequences` is built anew at each access)."""
+    table = variant[4]
+    pairs = int((table[:, 2] * table[:, 4]).sum())
+    return 2 * pairs * inputs.q_heads * (inputs.head_dim + inputs.value_dim)
 
 
 def forward_kind(inputs: AttentionInputs) -> int | None:
@@ -488,8 +536,9 @@ def operands(inputs: AttentionInputs, kind: int | None) -> tuple[np.ndarray, ...
     return as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
 
 
-def packed_operands(k, v, variant, kind) -> tuple[np.ndarray, np.ndarray]:
-    """Keys in panels and (bf16) values in pairs, packed once per call (`pack_operands`)."""
+def packed_operands(k, v, variant, kind, serial) -> tuple[np.ndarray, np.ndarray]:
+    """Keys in panels and (bf16) values in pairs, packed once per call (`pack_operands`;
+    on the calling thread if `serial`)."""
     count, kv_heads, dim = variant[4].shape[0], k.shape[1], k.shape[3]
     width = LANES * (1 if kind == FP32 else 2)
     depth = dim if kind == FP32 else (dim + 1) // 2
@@ -499,7 +548,10 @@ def packed_operands(k, v, variant, kind) -> tuple[np.ndarray, np.ndarray]:
     key_panels = np.empty((count, kv_heads, panels, depth, width), dtype)
     pairs_shape = (count, kv_heads, (longest_keys + 1) // 2, 2 * v.shape[3])
     value_pairs = np.empty(pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
-    run_parallel(pack_operands, k, v, variant, key_panels, value_pairs)
+    if serial:
+        pack_operands_serial(k, v, variant, key_panels, value_pairs)
+    else:
+        run_parallel(pack_operands, k, v, variant, key_panels, value_pairs)
     return key_panels, value_pairs
 
 
