@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnperf import dispatch
-from attnperf.bench import linear, serving
+from attnperf.bench import linear, serving, summary
 from attnperf.bench.report import (
     build_report,
     compare_to_baseline,
@@ -233,3 +233,28 @@ def test_varlen_bench_sdpa_loop_computes_the_packed_call():
     packed = serving.VarlenCall("numba", "packed", lengths, 2, 16, backward=False)()()
     looped = serving.VarlenCall("sdpa", "looped", lengths, 2, 16, backward=False)()()
     torch.testing.assert_close(looped, packed, rtol=1e-5, atol=1e-5)
+
+
+def test_report_gives_each_point_its_share_of_the_peak():
+    point = Measurement("numba", 1024, False, "forward", median_s=0.01, min_s=0.01, max_s=0.01,
+                        flops=2e9)  # fmt: skip
+    report = build_report(BenchConfig(lengths=(1024,)), [point], sgemm_gflops=100.0,
+                          peak_gflops=400.0)  # fmt: skip
+    extra = report["benchmarks"][0]["extra_info"]
+    assert extra["of_peak"] == pytest.approx(0.5) and extra["of_sgemm"] == pytest.approx(2.0)
+    assert "50%" in table_rows(report)[1]
+
+
+def test_peak_rate_is_the_dtype_s_and_positive():
+    fp32 = serving.peak_rate("float32", 1)
+    assert fp32 is not None and fp32 > 1e9
+    bf16 = serving.peak_rate("bfloat16", 2)
+    assert bf16 is not None and bf16 > 0
+
+
+def test_summary_is_a_markdown_table_of_its_rows():
+    rows = [{"case": "dense", "ratio": 1.25, "peer": "SDPA"},
+            {"case": "decode", "ratio": None, "peer": "SDPA rows"}]  # fmt: skip
+    text = summary.summary_markdown(rows, "a CPU")
+    assert "| dense | 1.25x | SDPA |" in text and "| decode | - | SDPA rows |" in text
+    assert len(summary.SWEEP_CASES) >= 5

@@ -51,12 +51,17 @@ def summary_rows(rounds: int, threads: int, on_progress: Callable[[str], None]) 
         case = f"decode, {name} cache, B = 1, S = {DECODE_LENGTH}, 32/8 heads"
         rows.append({"case": case, "ratio": ratio, "peer": f"SDPA {name}, group packed as rows"})
         on_progress(f"{case}: {ratio:.2f}x")
-    varlen = serving.varlen_sweep(serving_config, lambda _: None)
-    for row in varlen["rows"]:
-        if row["call"] == "sdpa looped":
-            case = f"packed ragged batch of 8 sequences (varlen), {row['pass']}"
-            rows.append({"case": case, "ratio": row["vs_packed"], "peer": "SDPA looped"})
-            on_progress(f"{case}: {row['vs_packed']:.2f}x")
+    lengths = serving.varlen_lengths(serving_config)
+    for backward in (False, True):
+        calls = {layout: serving.VarlenCall(backend, layout, lengths, serving_config.heads,
+                                            serving_config.head_dim, backward)
+                 for backend, layout in (("numba", "packed"), ("sdpa", "looped"))}  # fmt: skip
+        timed = serving.race(serving_config, calls)
+        ratio = timed["looped"].median_s / timed["packed"].median_s
+        case = (f"packed causal batch of {len(lengths)} sequences (varlen), "
+                f"{'forward+backward' if backward else 'forward'}")  # fmt: skip
+        rows.append({"case": case, "ratio": ratio, "peer": "SDPA looped over the sequences"})
+        on_progress(f"{case}: {ratio:.2f}x")
     return rows
 
 

@@ -85,6 +85,19 @@ def online_softmax_tiles(
         product(s[:, :cols], v[j0 : j0 + cols], acc, 1.0, 1.0, False, False, variant[13])
 
 
+@njit(fastmath=FASTMATH)
+def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
+    """out[slot, h, first:first + rows] and their stats (base-2 max, sum; the sink's term
+    included) from the online softmax's unnormalised acc, sums and shifts."""
+    for r in range(acc.shape[0]):
+        # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
+        row_max, total, inv = with_sink(variant, h, shift[r], row_sum[r])
+        for e in range(acc.shape[1]):
+            out[slot, h, first + r, e] = acc[r, e] * inv
+        stats[slot, h, first + r, 0] = row_max
+        stats[slot, h, first + r, 1] = total
+
+
 @njit(parallel=True, fastmath=FASTMATH)
 def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
@@ -111,13 +124,7 @@ def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n
             v[slot, hk, k0 : k0 + kv_len], variant, b, h, i0, rows, kv_len, scale2, block_n, s,
             acc, row_max, row_sum, shift,
         )  # fmt: skip
-        for r in range(rows):
-            # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
-            row_max, total, inv = with_sink(variant, h, shift[r], row_sum[r])
-            for e in range(value_dim):
-                out[slot, h, q0 + i0 + r, e] = acc[r, e] * inv
-            stats[slot, h, q0 + i0 + r, 0] = row_max
-            stats[slot, h, q0 + i0 + r, 1] = total
+        finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, out, stats)
 
 
 @njit(fastmath=FASTMATH)
@@ -173,50 +180,40 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     q_strides = (q.strides[0] // q.itemsize, q.strides[1] // q.itemsize, q.strides[2] // q.itemsize)
     v_strides = (v.strides[0] // v.itemsize, v.strides[1] // v.itemsize, v.strides[2] // v.itemsize)
     panels = key_panels.shape[2]
-    for _ in range(1):  # one item (`continue` leaves it)
-        b, h, tile = split_index(item, q_heads, q_tiles)
-        slot, q0, q_len, k0, kv_len = sequence(variant, b)
-        i0 = tile * block_m
-        rows = min(block_m, q_len - i0)
-        if rows <= 0:  # past this sequence's end
-            continue
-        s = np.empty((rows, block_n), np.float32)
-        p16 = np.empty((rows, block_n + 1 if bf16 else 0), np.uint16)
-        acc = np.zeros((rows, value_dim), np.float32)
-        row_max = np.full(rows, -np.inf, np.float32)
-        row_sum = np.zeros(rows, np.float32)
-        shift = np.zeros(rows, np.float32)
-        hk = h // group
-        q_at = slot * q_strides[0] + h * q_strides[1] + (q0 + i0) * q_strides[2]
-        q_view = (q, q_at, q_strides[2], 1)
-        acc_view = (acc, 0, value_dim)
-        no_dtanh = np.empty((0, 0), np.float32)
-        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-            keys_at = ((b * kv_heads + hk) * panels + j0 // LANES) * panel_size
-            keys_view = (key_panels, keys_at, key_panels.shape[4], panel_size)
-            tile_product(depth, scale2, 0.0, q_view, keys_view, (s, 0, block_n), rows, cols)
-            modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
-            online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
-            if bf16:
-                round_probabilities(s, p16, rows, cols)
-                pairs_at = (b * kv_heads + hk) * value_pairs.shape[2] + j0 // 2
-                values_view = (value_pairs, pairs_at * 2 * value_dim, 2 * value_dim, 2 * LANES)
-                p_view = (p16, 0, block_n + 1, 1)
-                tile_product(
-                    (cols + 1) // 2, 1.0, 1.0, p_view, values_view, acc_view, rows, value_dim
-                )
-            else:
-                v_at = slot * v_strides[0] + hk * v_strides[1] + (k0 + j0) * v_strides[2]
-                values_view = (v, v_at, v_strides[2], LANES)
-                tile_product(
-                    cols, 1.0, 1.0, (s, 0, block_n, 1), values_view, acc_view, rows, value_dim
-                )
-        for r in range(rows):
-            row_max, total, inv = with_sink(variant, h, shift[r], row_sum[r])
-            for e in range(value_dim):
-                out[slot, h, q0 + i0 + r, e] = acc[r, e] * inv
-            stats[slot, h, q0 + i0 + r, 0] = row_max
-            stats[slot, h, q0 + i0 + r, 1] = total
+    b, h, tile = split_index(item, q_heads, q_tiles)
+    slot, q0, q_len, k0, kv_len = sequence(variant, b)
+    i0 = tile * block_m
+    rows = min(block_m, q_len - i0)
+    if rows <= 0:  # past this sequence's end
+        return
+    s = np.empty((rows, block_n), np.float32)
+    p16 = np.empty((rows, block_n + 1 if bf16 else 0), np.uint16)
+    acc = np.zeros((rows, value_dim), np.float32)
+    row_max = np.full(rows, -np.inf, np.float32)
+    row_sum = np.zeros(rows, np.float32)
+    shift = np.zeros(rows, np.float32)
+    hk = h // group
+    q_at = slot * q_strides[0] + h * q_strides[1] + (q0 + i0) * q_strides[2]
+    q_view = (q, q_at, q_strides[2], 1)
+    acc_view = (acc, 0, value_dim)
+    no_dtanh = np.empty((0, 0), np.float32)
+    for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+        keys_at = ((b * kv_heads + hk) * panels + j0 // LANES) * panel_size
+        keys_view = (key_panels, keys_at, key_panels.shape[4], panel_size)
+        tile_product(depth, scale2, 0.0, q_view, keys_view, (s, 0, block_n), rows, cols)
+        modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
+        online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
+        if bf16:
+            round_probabilities(s, p16, rows, cols)
+            pairs_at = (b * kv_heads + hk) * value_pairs.shape[2] + j0 // 2
+            values_view = (value_pairs, pairs_at * 2 * value_dim, 2 * value_dim, 2 * LANES)
+            p_view = (p16, 0, block_n + 1, 1)
+            tile_product((cols + 1) // 2, 1.0, 1.0, p_view, values_view, acc_view, rows, value_dim)
+        else:
+            v_at = slot * v_strides[0] + hk * v_strides[1] + (k0 + j0) * v_strides[2]
+            values_view = (v, v_at, v_strides[2], LANES)
+            tile_product(cols, 1.0, 1.0, (s, 0, block_n, 1), values_view, acc_view, rows, value_dim)
+    finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, out, stats)
 
 
 @njit(parallel=True, fastmath=FASTMATH)
