@@ -1,6 +1,10 @@
 """The numba backend's own tile products: every remainder of rows, columns and depth, both
 precisions, the packings, and the forward that runs on them at realistic sizes."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -167,3 +171,18 @@ def test_bf16_forward_keeps_the_2x_rule_at_odd_head_dims(head_dim):
     actual = attnperf.attention(**call, backend="numba")
     assert actual.shape == q.shape
     assert_agrees(actual, float64_reference(**call), same_precision_reference(**call))
+
+
+def test_peaks_follow_the_target(tmp_path):
+    """On AVX2 code paths the fp32 peak loop is 8 lanes wide (16 would spill) and there is
+    no bf16 dot peak; a fresh process, since numba reads its target at start-up."""
+    script = (
+        "from attnperf.kernels.numba.microkernels import fma_lanes, peak_flops\n"
+        "print(fma_lanes(), peak_flops('fp32', 0.05) > 1e9, peak_flops('bf16'))\n"
+    )
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+fma",
+           "NUMBA_CACHE_DIR": str(tmp_path)}  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["8", "True", "None"]

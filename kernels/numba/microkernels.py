@@ -448,24 +448,40 @@ def pack_vnni(src, dst):
 PEAK_ACCUMULATORS = 12  # independent chains: enough to cover the FMA latency of two pipes
 
 
+def fma_lanes() -> int:
+    """fp32 lanes of the widest FMA numba's target has: 16 with AVX-512, else 8 (AVX2)."""
+    return LANES if "avx512f" in target_features() else LANES // 2
+
+
 @intrinsic
 def _peak_loop(typingctx, iterations, bf16):
-    """`iterations` rounds of 12 independent vector FMAs (or, with a literal True bf16,
-    vdpbf16ps) on registers only; returns a lane of their sum so none is dropped."""
+    """`iterations` rounds of 12 independent vector FMAs (`fma_lanes` wide) or, with a
+    literal True bf16, vdpbf16ps, on registers only; returns a lane of their sum so that
+    none is dropped."""
     if not isinstance(bf16, types.BooleanLiteral):
         return None
     use_dot = bf16.literal_value
+    lanes = LANES if use_dot else fma_lanes()
     sig = types.float32(types.intp, bf16)
 
     def codegen(context, builder, signature, args):
-        emit = _Emitter(builder, BF16 if use_dot else FP32, None, True)
-        x = ir.Constant(emit.i32x16 if use_dot else emit.f32x16, [1] * LANES if use_dot else
-                        [1.0000001] * LANES)  # fmt: skip
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(emit.f32x16, [float(i)] * LANES))
+        vector = ir.VectorType(ir.FloatType(), lanes)
+        if use_dot:
+            emit = _Emitter(builder, BF16, None, True)
+            x = ir.Constant(emit.i32x16, [1] * LANES)
+            step = emit.multiply_add
+        else:
+            fma = _function(builder, f"llvm.fma.v{lanes}f32", vector, [vector] * 3)
+            x = ir.Constant(vector, [1.0000001] * lanes)
+
+            def step(acc, a, b):
+                return builder.call(fma, [a, b, acc])
+
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vector, [float(i)] * lanes))
                 for i in range(PEAK_ACCUMULATORS)]  # fmt: skip
         with cgutils.for_range(builder, args[0]):
             for acc in accs:
-                builder.store(emit.multiply_add(builder.load(acc), x, x), acc)
+                builder.store(step(builder.load(acc), x, x), acc)
         total = builder.load(accs[0])
         for acc in accs[1:]:
             total = builder.fadd(total, builder.load(acc))
@@ -486,11 +502,14 @@ def dot_peak_loop(iterations):
 
 def peak_flops(kind: str, seconds: float = 0.3) -> float | None:
     """The calling thread's peak rate in FLOP/s of the fp32 FMA ("fp32") or the bf16 dot
-    product ("bf16"; None without AVX512-BF16): a register-only loop of 16-lane vectors
+    product ("bf16"; None without AVX512-BF16): a register-only loop of the widest vectors
     timed for about `seconds` (best of 3)."""
     if kind == "bf16" and "avx512bf16" not in target_features():
         return None
-    loop, flops_per_lane = (fma_peak_loop, 2) if kind == "fp32" else (dot_peak_loop, 4)
+    if kind == "fp32":
+        loop, flops_per_lane, lanes = fma_peak_loop, 2, fma_lanes()
+    else:
+        loop, flops_per_lane, lanes = dot_peak_loop, 4, LANES
     loop(1000)  # compiled
     iterations, elapsed = 1000, 0.0
     while elapsed < seconds / 10:
@@ -499,7 +518,7 @@ def peak_flops(kind: str, seconds: float = 0.3) -> float | None:
         loop(iterations)
         elapsed = time.perf_counter() - start
     best = min(_timed(loop, iterations) for _ in range(3))
-    return iterations * PEAK_ACCUMULATORS * LANES * flops_per_lane / best
+    return iterations * PEAK_ACCUMULATORS * lanes * flops_per_lane / best
 
 
 def _timed(loop, iterations):
