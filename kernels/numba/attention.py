@@ -86,6 +86,16 @@ def online_softmax_tiles(
 
 
 @njit(fastmath=FASTMATH)
+def softmax_state(rows, block_n, value_dim):
+    """A query tile's online-softmax state: the score tile, the unnormalised accumulator,
+    and each row's running max, sum and shift (nothing seen yet)."""
+    s = np.empty((rows, block_n), np.float32)
+    acc = np.zeros((rows, value_dim), np.float32)
+    row_max = np.full(rows, -np.inf, np.float32)
+    return s, acc, row_max, np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+
+
+@njit(fastmath=FASTMATH)
 def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
     """out[slot, h, first:first + rows] and their stats (base-2 max, sum; the sink's term
     included) from the online softmax's unnormalised acc, sums and shifts."""
@@ -113,11 +123,7 @@ def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n
         rows = min(block_m, q_len - i0)
         if rows <= 0:  # past this sequence's end
             continue
-        s = np.empty((rows, block_n), np.float32)
-        acc = np.zeros((rows, value_dim), np.float32)
-        row_max = np.full(rows, -np.inf, np.float32)
-        row_sum = np.zeros(rows, np.float32)
-        shift = np.zeros(rows, np.float32)
+        s, acc, row_max, row_sum, shift = softmax_state(rows, block_n, value_dim)
         hk = h // group
         online_softmax_tiles(
             q[slot, h, q0 + i0 : q0 + i0 + rows], k[slot, hk, k0 : k0 + kv_len],
@@ -186,12 +192,8 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     rows = min(block_m, q_len - i0)
     if rows <= 0:  # past this sequence's end
         return
-    s = np.empty((rows, block_n), np.float32)
+    s, acc, row_max, row_sum, shift = softmax_state(rows, block_n, value_dim)
     p16 = np.empty((rows, block_n + 1 if bf16 else 0), np.uint16)
-    acc = np.zeros((rows, value_dim), np.float32)
-    row_max = np.full(rows, -np.inf, np.float32)
-    row_sum = np.zeros(rows, np.float32)
-    shift = np.zeros(rows, np.float32)
     hk = h // group
     q_at = slot * q_strides[0] + h * q_strides[1] + (q0 + i0) * q_strides[2]
     q_view = (q, q_at, q_strides[2], 1)
