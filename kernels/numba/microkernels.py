@@ -395,13 +395,26 @@ def gemm_fp32(a, b, c, alpha, beta, trans_a, trans_b):
 
 @intrinsic
 def to_bf16(typingctx, x):
-    """x (float32) rounded to bf16, nearest even, as its uint16 bits (vectorises:
-    vcvtneps2bf16 where the CPU has it, which flushes fp32 subnormals to zero)."""
+    """x (float32) rounded to bf16, nearest even, as its uint16 bits; vectorises. With
+    AVX512-BF16 it is vcvtneps2bf16, which flushes fp32 subnormals to zero; elsewhere the
+    same rounding in integer ops (LLVM's generic lowering calls a libgcc function that this
+    platform's may lack: it crashed the process)."""
     sig = types.uint16(types.float32)
+    has_bf16 = "avx512bf16" in target_features()
 
     def codegen(context, builder, signature, args):
-        rounded = builder.fptrunc(args[0], _BFloat())
-        return builder.bitcast(rounded, ir.IntType(16))
+        value = args[0]
+        if has_bf16:
+            return builder.bitcast(builder.fptrunc(value, _BFloat()), ir.IntType(16))
+        int32 = ir.IntType(32)
+        bits = builder.bitcast(value, int32)
+        upper = builder.lshr(bits, ir.Constant(int32, 16))
+        lowest = builder.and_(upper, ir.Constant(int32, 1))
+        rounding = builder.add(lowest, ir.Constant(int32, 0x7FFF))
+        rounded = builder.lshr(builder.add(bits, rounding), ir.Constant(int32, 16))
+        quiet_nan = builder.or_(upper, ir.Constant(int32, 0x40))
+        is_nan = builder.fcmp_unordered("uno", value, value)
+        return builder.trunc(builder.select(is_nan, quiet_nan, rounded), ir.IntType(16))
 
     return sig, codegen
 
