@@ -12,7 +12,13 @@ from torch import Tensor
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.fastmath import LOG2E, exp2_shifted, row_maximum
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
-from attnperf.kernels.numba.launch import as_fp32, as_numpy, float32_array, run_parallel
+from attnperf.kernels.numba.launch import (
+    as_bf16_bits,
+    as_fp32,
+    as_numpy,
+    float32_array,
+    run_parallel,
+)
 from attnperf.kernels.numba.microkernels import (
     BF16,
     FP32,
@@ -518,14 +524,10 @@ def forward_kind(inputs: AttentionInputs) -> int | None:
 
 
 def bf16_bits(tensor: Tensor) -> np.ndarray:
-    """A bf16 tensor's bits as a uint16 array (numpy has no bf16), contiguous along E,
-    zero-padded to an even E (the micro-kernel takes depth in pairs)."""
-    tensor = tensor.detach()
+    """`as_bf16_bits`, zero-padded to an even E (the micro-kernel takes depth in pairs)."""
     if tensor.shape[-1] % 2:
-        tensor = torch.nn.functional.pad(tensor, (0, 1))
-    if tensor.stride(-1) != 1:
-        tensor = tensor.contiguous()
-    return as_numpy(tensor.view(torch.int16)).view(np.uint16)
+        tensor = torch.nn.functional.pad(tensor.detach(), (0, 1))
+    return as_bf16_bits(tensor)
 
 
 def operands(inputs: AttentionInputs, kind: int | None) -> tuple[np.ndarray, ...]:

@@ -11,7 +11,13 @@ from torch import Tensor
 from attnperf.kernels.numba.attention import online_softmax_rescale
 from attnperf.kernels.numba.fastmath import LOG2E, widen
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
-from attnperf.kernels.numba.launch import as_fp32, as_numpy, float32_array, run_parallel
+from attnperf.kernels.numba.launch import (
+    as_bf16_bits,
+    as_fp32,
+    as_numpy,
+    float32_array,
+    run_parallel,
+)
 from attnperf.kernels.numba.variant import (
     key_range,
     lower_variant,
@@ -357,10 +363,8 @@ def _pages(inputs: KVCacheInputs) -> tuple[np.ndarray, np.ndarray, bool]:
     head_major = all(_is_head_major(t) for t in (k_pages, v_pages))
     if head_major:
         k_pages, v_pages = (t.transpose(1, 2) for t in (k_pages, v_pages))
-    if inputs.dtype == torch.bfloat16:
-        k_pages, v_pages = (as_numpy(t.contiguous().view(torch.int16)) for t in (k_pages, v_pages))
-        return k_pages.view(np.uint16), v_pages.view(np.uint16), head_major
-    k_pages, v_pages = (np.ascontiguousarray(as_fp32(t)) for t in (k_pages, v_pages))
+    read = as_bf16_bits if inputs.dtype == torch.bfloat16 else as_fp32
+    k_pages, v_pages = (np.ascontiguousarray(read(t)) for t in (k_pages, v_pages))
     return k_pages, v_pages, head_major
 
 

@@ -82,6 +82,15 @@ def float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, n
     return tensor, np.ctypeslib.as_array(memory).reshape(shape)
 
 
+def as_bf16_bits(tensor: Tensor) -> np.ndarray:
+    """A bf16 tensor's bits as a uint16 array (numpy has no bf16): a view where it has unit
+    stride along the head dim, else a contiguous copy (still bf16)."""
+    tensor = tensor.detach()
+    if tensor.stride(-1) != 1:
+        tensor = tensor.contiguous()
+    return as_numpy(tensor.view(torch.int16)).view(np.uint16)
+
+
 def as_fp32(tensor: Tensor) -> np.ndarray:
     """An fp32 array of `tensor` for the kernels: a view where BLAS can read it in place
     (fp32, unit stride along the head dim, rows apart: a (B, L, H, E) tensor viewed as

@@ -371,7 +371,8 @@ def tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols):
 def gemm_fp32(a, b, c, alpha, beta, trans_a, trans_b):
     """blas.gemm's contract on our fp32 micro-kernels: c = alpha * op(a) @ op(b) + beta * c
     for 2-D float32 views, c with unit column stride. op(a) is read at any strides (its
-    elements are broadcast one by one); a transposed b is first packed (depth, cols)."""
+    elements are broadcast one by one); a transposed b is first packed in panels, as keys
+    are (`pack_key_panels`)."""
     rows, cols = c.shape
     if rows == 0 or cols == 0:
         return
@@ -382,11 +383,9 @@ def gemm_fp32(a, b, c, alpha, beta, trans_a, trans_b):
     a_view = (a, 0, a_row_stride, a_depth_stride)
     c_view = (c, 0, c.strides[0] // 4)
     if trans_b:
-        packed = np.empty((depth, cols), np.float32)
-        for j in range(cols):
-            for d in range(depth):
-                packed[d, j] = b[j, d]
-        b_view = (packed, 0, cols, LANES)
+        packed = np.empty(((cols + LANES - 1) // LANES, depth, LANES), np.float32)
+        pack_key_panels(b, packed)
+        b_view = (packed, 0, LANES, depth * LANES)
         tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols)
     else:
         b_view = (b, 0, b.strides[0] // 4, LANES)
