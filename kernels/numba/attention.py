@@ -36,6 +36,7 @@ from attnperf.kernels.numba.variant import (
     longest,
     lower_variant,
     modify_scores,
+    pair_count,
     query_range,
     sequence,
     tile_structure,
@@ -55,10 +56,12 @@ BLOCK_N = 512
 # windows of 256 and 1024, L = 4096 (of 32/64/128 x 128/256/512).
 BANDED_BLOCK_M = 64
 BANDED_BACKWARD_BLOCK_N = 128
-# A forward of fewer FLOPs runs on the calling thread: waking numba's threads for a parallel
-# region cost 0.1-0.2 ms here, what one thread computes of ~16-32 MFLOP. B = 1, H = 8,
-# L = 64 (8 MFLOP): 0.46 ms a call against 1.08 ms with packing and forward on the threads.
-SERIAL_MAX_FLOPS = 1 << 25
+# Keys and values of a forward of fewer FLOPs are packed on the calling thread, where a
+# parallel region (~10-20 us to wake the threads) did not pay: B = 1, H = 8, L = 64-128
+# (8-34 MFLOP) packed in 20-30 us either way. The forward itself runs on the threads
+# wherever it has two query tiles to share: H = 2, L = 64 (2 MFLOP) took 23 us there
+# against 35 us serially.
+SERIAL_MAX_FLOPS = 1 << 24
 
 
 @njit(fastmath=FASTMATH)
@@ -198,8 +201,11 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     rows = min(block_m, q_len - i0)
     if rows <= 0:  # past this sequence's end
         return
-    s, acc, row_max, row_sum, shift = softmax_state(rows, block_n, value_dim)
-    p16 = np.empty((rows, block_n + 1 if bf16 else 0), np.uint16)
+    # The score tile as wide as the keys need (whole vectors): a short call's 64 keys would
+    # otherwise allocate, and fault in, 512 columns per item.
+    width = min(block_n, (kv_len + LANES - 1) // LANES * LANES)
+    s, acc, row_max, row_sum, shift = softmax_state(rows, width, value_dim)
+    p16 = np.empty((rows, width + 1 if bf16 else 0), np.uint16)
     hk = h // group
     q_at = slot * q_strides[0] + h * q_strides[1] + (q0 + i0) * q_strides[2]
     q_view = (q, q_at, q_strides[2], 1)
@@ -208,19 +214,19 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
         keys_at = ((b * kv_heads + hk) * panels + j0 // LANES) * panel_size
         keys_view = (key_panels, keys_at, key_panels.shape[4], panel_size)
-        tile_product(depth, scale2, 0.0, q_view, keys_view, (s, 0, block_n), rows, cols)
+        tile_product(depth, scale2, 0.0, q_view, keys_view, (s, 0, width), rows, cols)
         modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
         online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
         if bf16:
             round_probabilities(s, p16, rows, cols)
             pairs_at = (b * kv_heads + hk) * value_pairs.shape[2] + j0 // 2
             values_view = (value_pairs, pairs_at * 2 * value_dim, 2 * value_dim, 2 * LANES)
-            p_view = (p16, 0, block_n + 1, 1)
+            p_view = (p16, 0, width + 1, 1)
             tile_product((cols + 1) // 2, 1.0, 1.0, p_view, values_view, acc_view, rows, value_dim)
         else:
             v_at = slot * v_strides[0] + hk * v_strides[1] + (k0 + j0) * v_strides[2]
             values_view = (v, v_at, v_strides[2], LANES)
-            tile_product(cols, 1.0, 1.0, (s, 0, block_n, 1), values_view, acc_view, rows, value_dim)
+            tile_product(cols, 1.0, 1.0, (s, 0, width, 1), values_view, acc_view, rows, value_dim)
     finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, out, stats)
 
 
@@ -495,11 +501,12 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
                 *tile_sizes(inputs),
             )  # fmt: skip
         else:
-            serial = forward_flops(inputs, variant) < SERIAL_MAX_FLOPS
-            key_panels, value_pairs = packed_operands(k, v, variant, kind, serial)
+            block_m, block_n = short_call_tiles(inputs, variant)
+            pack_serial = forward_flops(inputs, variant) < SERIAL_MAX_FLOPS
+            key_panels, value_pairs = packed_operands(k, v, variant, kind, pack_serial)
             args = (q, key_panels, v, value_pairs, variant, inputs.scale, out_array, stats_array,
-                    *tile_sizes(inputs))  # fmt: skip
-            if serial:
+                    block_m, block_n)  # fmt: skip
+            if query_tiles(inputs, variant, block_m) < 2:
                 packed_forward_serial(*args)
             else:
                 run_parallel(packed_forward, *args)
@@ -510,9 +517,21 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
 def forward_flops(inputs: AttentionInputs, variant: tuple) -> int:
     """The forward's FLOPs if every (query, key) pair of each sequence took part (from the
     lowered variant's sequence table: `inputs.sequences` is built anew at each access)."""
-    table = variant[4]
-    pairs = int((table[:, 2] * table[:, 4]).sum())
-    return 2 * pairs * inputs.q_heads * (inputs.head_dim + inputs.value_dim)
+    return 2 * pair_count(variant) * inputs.q_heads * (inputs.head_dim + inputs.value_dim)
+
+
+def query_tiles(inputs: AttentionInputs, variant: tuple, block_m: int) -> int:
+    """The forward's work items: (sequence, query head, query tile) triples."""
+    return variant[4].shape[0] * inputs.q_heads * -(-longest(variant, 2) // block_m)
+
+
+def short_call_tiles(inputs: AttentionInputs, variant: tuple) -> tuple[int, int]:
+    """`tile_sizes`, with query tiles halved where whole ones leave a thread fewer than two:
+    B = 1, H = 1, L = 128 took 41 us against 61, L = 256 139 us against 204 (2 threads)."""
+    block_m, block_n = tile_sizes(inputs)
+    if query_tiles(inputs, variant, block_m) < 2 * torch.get_num_threads():
+        block_m = min(block_m, BANDED_BLOCK_M)
+    return block_m, block_n
 
 
 def forward_kind(inputs: AttentionInputs) -> int | None:

@@ -20,9 +20,9 @@ def as_numpy(tensor: Tensor) -> np.ndarray:
     return tensor.detach().numpy()
 
 
-# Numba's workqueue pool serves one parallel region at a time and aborts the process when
-# two Python threads enter it at once: calls from threads take turns (each uses every
-# thread anyway; the lock costs well under a microsecond against a call's milliseconds).
+# Calls from threads take turns: each uses every thread anyway, and numba's workqueue
+# layer (where chosen) aborts the process when two Python threads enter it at once (the
+# lock costs well under a microsecond against a call's milliseconds).
 _PARALLEL_REGION = threading.Lock()
 
 

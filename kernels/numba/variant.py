@@ -42,6 +42,16 @@ def sequence(variant, b):
 
 
 @njit()
+def pair_count(variant):
+    """The (query, key) pairs of the sequences, as if each query saw every key."""
+    sequences = variant[4]
+    total = 0
+    for b in range(sequences.shape[0]):
+        total += sequences[b, 2] * sequences[b, 4]
+    return total
+
+
+@njit()
 def longest(variant, column):
     """The largest q_len (column 2) or k_len (4) of the sequences."""
     sequences = variant[4]
@@ -231,10 +241,14 @@ def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     left, right = inputs.band or (None, None)
     softcap2 = np.float32(variant.softcap * LOG2E if variant.softcap is not None else 0.0)
     table = inputs.sequences.table
-    order = balanced_order(table, torch.get_num_threads())
+    order = None  # the batch's sequences are alike: their own order is balanced
+    if variant.sequences is not None:
+        order = balanced_order(table, torch.get_num_threads())
+        table = table[order]
     alibi2 = np.zeros((0, 0), np.float32)
     if variant.alibi_slopes is not None:
-        alibi2 = as_numpy((variant.alibi_slopes[order] * LOG2E).float().contiguous())
+        slopes = variant.alibi_slopes if order is None else variant.alibi_slopes[order]
+        alibi2 = as_numpy((slopes * LOG2E).float().contiguous())
     layout = variant.block_mask
     if layout is None:
         kinds = np.zeros((1, 1, 1, 1), np.int8)
@@ -257,6 +271,6 @@ def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     return (
         mask, mask_kind,
         UNBOUNDED if left is None else left, UNBOUNDED if right is None else right,
-        table[order].numpy(), softcap2, alibi2, kinds, partial_index, partial, block_q,
+        table.numpy(), softcap2, alibi2, kinds, partial_index, partial, block_q,
         block_k, sinks2, tiles_flag(),
     )  # fmt: skip
