@@ -13,11 +13,11 @@ gate of the chunk up to i (per key dim for vector gates, else one per step), q^ 
 
 S0 and S1 are the state before and after the chunk. Every exponential is of a non-positive
 difference (gates <= 0), so strong decay underflows to 0 and never overflows. The products
-are BLAS tiles. The forward's items are (sequence, value head); the backward's are
-(sequence, key head), its value heads one after another so that their dq and dk add up in
-place. It takes each chunk's S0 and WY results as the forward kept them, or recomputes them
-in a first pass over the chunks, and walks the chunks in reverse (reverse-mode of the lines
-above).
+run on `product`'s tiles (our micro-kernels where AVX-512 serves, else BLAS). The
+forward's items are (sequence, value head); the backward's are (sequence, key head), its
+value heads one after another so that their dq and dk add up in place. It takes each
+chunk's S0 and WY results as the forward kept them, or recomputes them in a first pass over
+the chunks, and walks the chunks in reverse (reverse-mode of the lines above).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnperf.kernels.numba.blas import gemm
 from attnperf.kernels.numba.fastmath import LOG2E, exp2
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange
 from attnperf.kernels.numba.launch import as_numpy, float32_array, run_parallel
+from attnperf.kernels.numba.tiles import product, tiles_flag
 from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs
 
 # Steps per chunk: the intra-chunk work (C^2 (K + V) per chunk) against the state's (C K V).
@@ -78,7 +78,7 @@ def decay(gamma, i, j, d):
 
 
 @njit(fastmath=FASTMATH)
-def pair_scores(x, y, gamma, gated, strict, out):
+def pair_scores(x, y, gamma, gated, strict, out, tiles):
     """out[i, j] = sum_d x_id y_jd exp(gamma_id - gamma_jd) for j <= i (j < i when strict),
     0 above, on rows x rows (rows = x.shape[0])."""
     rows = x.shape[0]
@@ -91,7 +91,7 @@ def pair_scores(x, y, gamma, gated, strict, out):
                     total += x[i, d] * y[j, d] * decay(gamma, i, j, d)
                 out[i, j] = total
     else:
-        gemm(x, y, out[:rows, :rows], 1.0, 0.0, False, True)
+        product(x, y, out[:rows, :rows], 1.0, 0.0, False, True, tiles)
         if gated:
             for i in range(rows):
                 for j in range(i + 1 - strict):
@@ -116,7 +116,7 @@ def add_crossing(r, rows, dg, d):
 
 
 @njit(fastmath=FASTMATH)
-def pair_scores_backward(d_out, scores, x, y, gamma, gated, strict, dx, dy, dg):
+def pair_scores_backward(d_out, scores, x, y, gamma, gated, strict, dx, dy, dg, tiles):
     """dx, dy += the gradients of pair_scores through d_out (its forward `scores`), and the
     gates' share to dg (C, gate dims): the gradient of each step's own gate g_s. dx and dy
     may be one array (x and y one too: k k^T's pairs)."""
@@ -148,10 +148,10 @@ def pair_scores_backward(d_out, scores, x, y, gamma, gated, strict, dx, dy, dg):
             for j in range(i):
                 weighted[i, j] += weighted[j, i]
                 weighted[j, i] = weighted[i, j]
-        gemm(weighted, y, dx, 1.0, 1.0, False, False)
+        product(weighted, y, dx, 1.0, 1.0, False, False, tiles)
         return
-    gemm(weighted, y, dx, 1.0, 1.0, False, False)
-    gemm(weighted, x, dy, 1.0, 1.0, True, False)
+    product(weighted, y, dx, 1.0, 1.0, False, False, tiles)
+    product(weighted, x, dy, 1.0, 1.0, True, False, tiles)
 
 
 @njit(fastmath=FASTMATH)
@@ -245,7 +245,8 @@ def load_rows(x, slot, t0, rows, h, factors, scale, l2norm, out, inverse_norms):
 
 
 @njit(fastmath=FASTMATH)
-def chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, scores, scratch):
+def chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, scores, scratch,
+                 tiles):  # fmt: skip
     """A chunk's rows t0 .. t0 + rows - 1 as the products take them, into `scratch`
     (new_scratch's arrays, (C, ...); only [:rows] is meaningful): gamma, e_in, e_out
     (chunk_gates; 0, 1, 1 when ungated), qs = q^ (scaled; normalised when asked), kc = k
@@ -259,12 +260,13 @@ def chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, scores, 
     scale_rows(kc[:rows], no_factor, e_out, kd[:rows])
     if scores:
         load_rows(q, slot, t0, rows, hk, no_factor, scale, l2norm, qs, q_inv)
-        pair_scores(qs[:rows], kc[:rows], gamma, gated, 0, a)
+        pair_scores(qs[:rows], kc[:rows], gamma, gated, 0, a, tiles)
         scale_rows(qs[:rows], no_factor, e_in, qg[:rows])
 
 
 @njit(fastmath=FASTMATH)
-def chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm, x, z, u):
+def chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm, x, z, u,
+                 tiles):  # fmt: skip
     """U, what the chunk writes into the state, from the state S0 before it: v (the additive
     rule), or the WY form U = T Z (delta rule), with kk (M without beta), m = M, tm = T = (I
     + M)^-1, x = beta k exp(Gamma) and z = beta v - x S0; all (C, ...), [:rows] meaningful."""
@@ -274,26 +276,26 @@ def chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, 
         load_rows(v, slot, t0, rows, hv, no_factor, np.float32(1.0), False, u, no_factor)
         return
     b_c = beta[slot, t0 : t0 + rows, hv]
-    pair_scores(kc[:rows], kc[:rows], gamma, gated, 1, kk)
+    pair_scores(kc[:rows], kc[:rows], gamma, gated, 1, kk, tiles)
     for i in range(rows):
         for j in range(i):
             m[i, j] = b_c[i] * kk[i, j]
     unit_lower_inverse(m, rows, tm)
     scale_rows(kc[:rows], b_c, e_in, x[:rows])
     load_rows(v, slot, t0, rows, hv, b_c, np.float32(1.0), False, z, no_factor)
-    gemm(x[:rows], state, z[:rows], -1.0, 1.0, False, False)
-    gemm(tm[:rows, :rows], z[:rows], u[:rows], 1.0, 0.0, False, False)
+    product(x[:rows], state, z[:rows], -1.0, 1.0, False, False, tiles)
+    product(tm[:rows, :rows], z[:rows], u[:rows], 1.0, 0.0, False, False, tiles)
 
 
 @njit(fastmath=FASTMATH)
-def advance_state(state, e_in, rows, gated, kd, u):
+def advance_state(state, e_in, rows, gated, kd, u, tiles):
     """S <- exp(Gamma_last) S + kd^T U: the state after the chunk."""
     if gated:
         for d in range(state.shape[0]):
             factor = e_in[rows - 1, d if e_in.shape[1] > 1 else 0]
             for e in range(state.shape[1]):
                 state[d, e] *= factor
-    gemm(kd[:rows], u[:rows], state, 1.0, 1.0, True, False)
+    product(kd[:rows], u[:rows], state, 1.0, 1.0, True, False, tiles)
 
 
 @njit(fastmath=FASTMATH)
@@ -342,7 +344,7 @@ def new_update(head_dim, value_dim):
 # ---------------------------------------------------------------------------- kernels
 @njit(parallel=True, fastmath=FASTMATH)
 def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
-                           final, kept, firsts):  # fmt: skip
+                           final, kept, firsts, tiles):  # fmt: skip
     """out (B, T, HV, V) and final (N, HV, K, V) by chunks; h0 (N, HV, K, V) or empty. With
     `kept` (kept_shapes' arrays over every sequence's chunks, sequence n's from firsts[n]; no
     chunks: nothing kept), what the backward takes of each chunk."""
@@ -369,19 +371,19 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
                 chunk = firsts[n] + c
                 kk, tm, x, u = kks[hv, chunk], tms[hv, chunk], xs[hv, chunk], us[hv, chunk]
             chunk_inputs(q, k, g, scale, l2norm, slot, hv, hv // group, t0, rows, gated, True,
-                         scratch)  # fmt: skip
+                         scratch, tiles)  # fmt: skip
             chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm,
-                         x, z, u)  # fmt: skip
+                         x, z, u, tiles)  # fmt: skip
             o = out[slot, t0 : t0 + rows, hv]
-            gemm(qg[:rows], state, o, 1.0, 0.0, False, False)
-            gemm(a[:rows, :rows], u[:rows], o, 1.0, 1.0, False, False)
-            advance_state(state, e_in, rows, gated, kd, u)
+            product(qg[:rows], state, o, 1.0, 0.0, False, False, tiles)
+            product(a[:rows, :rows], u[:rows], o, 1.0, 1.0, False, False, tiles)
+            advance_state(state, e_in, rows, gated, kd, u, tiles)
 
 
 @njit(parallel=True, fastmath=FASTMATH)
 def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
                             grad_out, grad_final, kept, firsts, dq, dk, dv, dg, dbeta, dh0,
-                            threads):  # fmt: skip
+                            threads, tiles):  # fmt: skip
     """Gradients by chunks in reverse: dq, dk (B, T, H, K), dv, dg (B, T, HV, gate dims),
     dbeta (B, T, HV), dh0 (N, HV, K, V); grad_final empty when none; `kept` and firsts as
     the forward wrote them, or kept without chunks: recomputed here.
@@ -408,7 +410,7 @@ def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gate
             for hv in range(hk * group, (hk + 1) * group):
                 backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
                               grad_out, grad_final, kept, firsts[n], grads, n, hv,
-                              hv > hk * group, buffers)  # fmt: skip
+                              hv > hk * group, buffers, tiles)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -432,7 +434,8 @@ def backward_buffers(chunks, head_dim, value_dim, gate_dims, delta):
 
 @njit(fastmath=FASTMATH)
 def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, grad_out,
-                  grad_final, kept, first, grads, n, hv, accumulate, buffers):  # fmt: skip
+                  grad_final, kept, first, grads, n, hv, accumulate, buffers,
+                  tiles):  # fmt: skip
     """Sequence n, value head hv of linear_backward_chunked, in its thread's buffers: the
     chunks' start states (and WY results) from `kept` (its chunks from `first`), or when it
     has none, from a first pass over the chunks; then the chunks in reverse, dS carried from
@@ -467,10 +470,11 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
             starts[c] = state
             if delta:
                 kk, tm, x, u = kks[c], tms[c], xs[c], us[c]
-            chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, False, scratch)
+            chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, False, scratch,
+                         tiles)  # fmt: skip
             chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm,
-                         x, z, u)  # fmt: skip
-            advance_state(state, e_in, rows, gated, kd, u)
+                         x, z, u, tiles)  # fmt: skip
+            advance_state(state, e_in, rows, gated, kd, u, tiles)
     if grad_final.shape[0] > 0:
         ds[:] = grad_final[n, hv]
     else:
@@ -479,12 +483,12 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
         t0 = start + c * CHUNK
         rows = min(CHUNK, start + length - t0)
         s0 = starts[c]
-        chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, True, scratch)
+        chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, True, scratch, tiles)
         if delta:
             kk, tm, x, u = kks[c], tms[c], xs[c], us[c]
         else:
             chunk_update(v, beta, slot, hv, t0, rows, gated, delta, s0, scratch, kk, m, tm, x,
-                         z, u)  # fmt: skip
+                         z, u, tiles)  # fmt: skip
         k_c = kc[:rows]
         do = grad_out[slot, t0 : t0 + rows, hv]
         dqs[:rows] = 0.0
@@ -493,11 +497,11 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
         own[:rows] = 0.0
         to_last[:rows] = 0.0
         # O = qg S0 + A U and S1 = exp(Gamma_last) S0 + kd^T U:
-        gemm(a[:rows, :rows], do, du[:rows], 1.0, 0.0, True, False)
-        gemm(kd[:rows], ds, du[:rows], 1.0, 1.0, False, False)
-        gemm(do, u[:rows], da[:rows, :rows], 1.0, 0.0, False, True)
-        gemm(do, s0, dqg[:rows], 1.0, 0.0, False, True)
-        gemm(u[:rows], ds, dkd[:rows], 1.0, 0.0, False, True)
+        product(a[:rows, :rows], do, du[:rows], 1.0, 0.0, True, False, tiles)
+        product(kd[:rows], ds, du[:rows], 1.0, 1.0, False, False, tiles)
+        product(do, u[:rows], da[:rows, :rows], 1.0, 0.0, False, True, tiles)
+        product(do, s0, dqg[:rows], 1.0, 0.0, False, True, tiles)
+        product(u[:rows], ds, dkd[:rows], 1.0, 0.0, False, True, tiles)
         if gated:  # S1's exp(Gamma_last) S0 term, before ds becomes dS0
             for d in range(head_dim):
                 gd = d if gate_dims > 1 else 0
@@ -508,14 +512,14 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
                 own[rows - 1, gd] += total * factor
                 for e in range(value_dim):
                     ds[d, e] *= factor
-        gemm(qg[:rows], do, ds, 1.0, 1.0, True, False)
+        product(qg[:rows], do, ds, 1.0, 1.0, True, False, tiles)
         if delta:  # U = T Z, Z = diag(beta) v - X S0, T = (I + M)^-1, M = diag(beta) kk
             b_c = beta[slot, t0 : t0 + rows, hv]
-            gemm(tm[:rows, :rows], du[:rows], dz[:rows], 1.0, 0.0, True, False)
-            gemm(dz[:rows], s0, dx[:rows], -1.0, 0.0, False, True)
-            gemm(x[:rows], dz[:rows], ds, -1.0, 1.0, True, False)
+            product(tm[:rows, :rows], du[:rows], dz[:rows], 1.0, 0.0, True, False, tiles)
+            product(dz[:rows], s0, dx[:rows], -1.0, 0.0, False, True, tiles)
+            product(x[:rows], dz[:rows], ds, -1.0, 1.0, True, False, tiles)
             # dM = -T^T (dU Z^T) T^T = -dZ U^T; its entries below the diagonal are read
-            gemm(dz[:rows], u[:rows], dkk[:rows, :rows], -1.0, 0.0, False, True)
+            product(dz[:rows], u[:rows], dkk[:rows, :rows], -1.0, 0.0, False, True, tiles)
             for i in range(rows):  # x = beta kg, kg = k exp(Gamma); z = beta v - x S0
                 b = b_c[i]
                 gate_row(e_in, i, decays)
@@ -534,11 +538,11 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
                     dkk[i, j] *= b
                 dbeta[slot, t0 + i, hv] = total
             pair_scores_backward(dkk, kk, k_c, k_c, gamma, gated, 1, dk_c[:rows],
-                                 dk_c[:rows], dg_c)  # fmt: skip
+                                 dk_c[:rows], dg_c, tiles)  # fmt: skip
         else:
             dv[slot, t0 : t0 + rows, hv] = du[:rows]
         pair_scores_backward(da, a, qs[:rows], k_c, gamma, gated, 0, dqs[:rows], dk_c[:rows],
-                             dg_c)  # fmt: skip
+                             dg_c, tiles)  # fmt: skip
         for i in range(rows):  # qg = q^ exp(Gamma), kd = k exp(Gamma_last - Gamma)
             gate_row(e_in, i, decays)
             for d in range(head_dim):
@@ -706,7 +710,7 @@ def numba_linear_forward(
     keep = runs and backward and kept_bytes <= KEPT_MAX_BYTES
     kept, kept_arrays = _kept(inputs, chunks if keep else 0)
     if runs:
-        run_parallel(linear_forward_chunked, *args, kept_arrays, firsts)
+        run_parallel(linear_forward_chunked, *args, kept_arrays, firsts, tiles_flag())
     return out.to(inputs.dtype), final, kept if keep else ()
 
 
@@ -735,5 +739,5 @@ def numba_linear_backward(
         run_parallel(linear_backward_chunked, *arrays, np.float32(inputs.scale), inputs.l2norm,
                      inputs.g is not None, inputs.beta is not None, do, d_final, kept_arrays,
                      firsts, *(array for _, array in buffers),
-                     torch.get_num_threads())  # fmt: skip
+                     torch.get_num_threads(), tiles_flag())  # fmt: skip
     return inputs.as_gradients(*(tensor for tensor, _ in buffers))
