@@ -381,9 +381,9 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     parallel = threads > 1 and inputs.kv_bytes >= PARALLEL_MIN_BYTES
     splits = kvcache_splits(inputs, threads if parallel else 1)
     shape = (*q.shape[:3], v_pages.shape[3])
-    # (tensor, array) pairs: kept bound while the kernels run, as the tensors own the memory.
-    partials = float32_array((splits, *shape)), float32_array((splits, *q.shape[:3], 2))
-    partial_out, partial_stats = partials[0][1], partials[1][1]
+    # The splits' partial results never leave the kernels: numpy's memory, no torch tensor.
+    partial_out = np.empty((splits, *shape), np.float32)
+    partial_stats = np.empty((splits, *q.shape[:3], 2), np.float32)
     out, out_array = float32_array(shape, zero=True)
     stats, stats_array = float32_array((*q.shape[:3], 2), zero=True)
     if q.size:

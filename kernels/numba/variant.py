@@ -214,16 +214,18 @@ def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int]:
     return as_numpy(compact.float().expand(mask.shape)), MASK_FLOAT
 
 
-def balanced_order(table: Tensor, threads: int) -> Tensor:
+def balanced_order(table: Tensor, threads: int) -> Tensor | None:
     """An order of the sequences in which numba's prange, which gives each thread one
     contiguous share of the items (sequence-major, as many per sequence), shares their work
     (q_len x k_len) evenly: heaviest first, each to the lightest share with room. A packed
     batch of 8 causal sequences of 516 to 3890 tokens in cu_seqlens order left one of 2
-    threads idle most of the time; a plain call's equal sequences keep their order."""
+    threads idle most of the time; equal sequences keep their order (None: as they are)."""
     count = table.shape[0]
+    if count <= 1 or threads <= 1:
+        return None
     lengths = table[:, 2] * table[:, 4]
-    if count <= 1 or threads <= 1 or bool((lengths == lengths[0]).all()):
-        return torch.arange(count)
+    if bool((lengths == lengths[0]).all()):
+        return None
     room = [count // threads + (share < count % threads) for share in range(threads)]
     shares = [[] for _ in range(threads)]
     work = [0] * threads
@@ -241,9 +243,9 @@ def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     left, right = inputs.band or (None, None)
     softcap2 = np.float32(variant.softcap * LOG2E if variant.softcap is not None else 0.0)
     table = inputs.sequences.table
-    order = None  # the batch's sequences are alike: their own order is balanced
-    if variant.sequences is not None:
-        order = balanced_order(table, torch.get_num_threads())
+    # A plain batch's sequences are alike: their own order is balanced.
+    order = None if variant.sequences is None else balanced_order(table, torch.get_num_threads())
+    if order is not None:
         table = table[order]
     alibi2 = np.zeros((0, 0), np.float32)
     if variant.alibi_slopes is not None:
