@@ -146,8 +146,8 @@ def setup() -> tuple[str, object]:
     Returns the BLAS's name and what pins it to one thread from outside (None where gemm
     pins it itself, per calling thread). torch's MKL serves where torch exports it, else
     scipy's OpenBLAS; ATTNPERF_NUMBA_BLAS=torch|scipy insists on one. Numba's threads are
-    its OpenMP layer where it loads: its "workqueue" pool made the calling thread wait
-    spinning, ~90 us a parallel region and 15% of the cores (a layer of projections around
+    its OpenMP layer where it loads: its "workqueue" pool cost ~90 us a parallel region
+    and 15% of a long one's speed (a layer of projections around
     causal attention, L = 1024, 2 cores: 27.9 ms on omp, 37.6-41.0 ms on workqueue; SDPA
     29.0-32.9 ms). GNU OpenMP is not fork-safe: a process forked after a call cannot run
     numba's parallel kernels (numba ends it with a message). A layer chosen by the user
