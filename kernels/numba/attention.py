@@ -61,7 +61,9 @@ BANDED_BACKWARD_BLOCK_N = 128
 # (8-34 MFLOP) packed in 20-30 us either way. The forward itself runs on the threads
 # wherever it has two query tiles to share: H = 2, L = 64 (2 MFLOP) took 23 us there
 # against 35 us serially.
-SERIAL_MAX_FLOPS = 1 << 24
+PACK_SERIAL_MAX_FLOPS = 1 << 24
+# Query rows of a call's tiles where whole ones (BLOCK_M) leave a thread fewer than two.
+SHORT_CALL_BLOCK_M = 64
 
 
 @njit(fastmath=FASTMATH)
@@ -165,7 +167,7 @@ def pack_operands(k, v, variant, key_panels, value_pairs):
 
 @njit(fastmath=FASTMATH)
 def pack_operands_serial(k, v, variant, key_panels, value_pairs):
-    """pack_operands on the calling thread (a small call: see SERIAL_MAX_FLOPS)."""
+    """pack_operands on the calling thread (a small call: see PACK_SERIAL_MAX_FLOPS)."""
     for item in range(variant[4].shape[0] * k.shape[1]):
         pack_sequence(k, v, variant, key_panels, value_pairs, item)
 
@@ -245,7 +247,7 @@ def packed_forward(q, key_panels, v, value_pairs, variant, scale, out, stats, bl
 @njit(fastmath=FASTMATH)
 def packed_forward_serial(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
                           block_n):  # fmt: skip
-    """packed_forward on the calling thread (a small call: see SERIAL_MAX_FLOPS)."""
+    """packed_forward on the calling thread (one query tile: nothing to share)."""
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     for item in range(variant[4].shape[0] * q.shape[1] * q_tiles):
         packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
@@ -502,7 +504,7 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
             )  # fmt: skip
         else:
             block_m, block_n = short_call_tiles(inputs, variant)
-            pack_serial = forward_flops(inputs, variant) < SERIAL_MAX_FLOPS
+            pack_serial = forward_flops(inputs, variant) < PACK_SERIAL_MAX_FLOPS
             key_panels, value_pairs = packed_operands(k, v, variant, kind, pack_serial)
             args = (q, key_panels, v, value_pairs, variant, inputs.scale, out_array, stats_array,
                     block_m, block_n)  # fmt: skip
@@ -526,11 +528,12 @@ def query_tiles(inputs: AttentionInputs, variant: tuple, block_m: int) -> int:
 
 
 def short_call_tiles(inputs: AttentionInputs, variant: tuple) -> tuple[int, int]:
-    """`tile_sizes`, with query tiles halved where whole ones leave a thread fewer than two:
-    B = 1, H = 1, L = 128 took 41 us against 61, L = 256 139 us against 204 (2 threads)."""
+    """`tile_sizes`, with SHORT_CALL_BLOCK_M query rows where whole tiles leave a thread
+    fewer than two: B = 1, H = 1, L = 128 took 41 us against 61, L = 256 139 us against 204
+    (2 threads)."""
     block_m, block_n = tile_sizes(inputs)
     if query_tiles(inputs, variant, block_m) < 2 * torch.get_num_threads():
-        block_m = min(block_m, BANDED_BLOCK_M)
+        block_m = min(block_m, SHORT_CALL_BLOCK_M)
     return block_m, block_n
 
 

@@ -243,8 +243,7 @@ def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     left, right = inputs.band or (None, None)
     softcap2 = np.float32(variant.softcap * LOG2E if variant.softcap is not None else 0.0)
     table = inputs.sequences.table
-    # A plain batch's sequences are alike: their own order is balanced.
-    order = None if variant.sequences is None else balanced_order(table, torch.get_num_threads())
+    order = balanced_order(table, torch.get_num_threads())
     if order is not None:
         table = table[order]
     alibi2 = np.zeros((0, 0), np.float32)
