@@ -162,7 +162,9 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
             "benchmarking", total=2 * len(config.backends) * points_per_backend
         )
         points = run_sweep(config, lambda done: progress.update(task, advance=1, description=done))
-    report = build_report(config, points, sgemm, peak and peak / 1e9)
+    report = build_report(
+        config, points, sgemm, peak and peak / 1e9, serving.peak_kind(config.dtype)
+    )
 
     def show(rows, title):
         table = Table(title=title)

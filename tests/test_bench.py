@@ -19,6 +19,7 @@ from attnperf.bench.report import (
     write_report,
 )
 from attnperf.bench.sweep import BenchConfig, Measurement, attention_flops, fit_exponent, run_sweep
+from attnperf.kernels.numba.microkernels import target_features
 
 KNOWN_ALLOCATION = """
 import numpy as np, torch
@@ -250,6 +251,9 @@ def test_peak_rate_is_the_dtype_s_and_positive():
     assert fp32 is not None and fp32 > 1e9
     bf16 = serving.peak_rate("bfloat16", 2)
     assert bf16 is not None and bf16 > 0
+    dot = "avx512bf16" in target_features()
+    assert serving.peak_kind("bfloat16") == ("bf16 dot" if dot else "fp32 FMA")
+    assert serving.peak_kind("float32") == "fp32 FMA"
 
 
 def test_summary_is_a_markdown_table_of_its_rows():

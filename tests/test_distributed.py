@@ -215,7 +215,10 @@ def check_training(rank: int, world: int) -> int:
     for name, parameter in ring.items():
         assert_agrees(parameter.detach(), exact[name].detach(), baseline[name].detach(),
                       what=f"{name} after 3 steps")  # fmt: skip
-        assert not torch.equal(parameter, TinyTransformer().state_dict()[name]), name
+        # A key bias adds one q.b to a whole row of scores, which the softmax ignores: its
+        # gradient is 0 but for rounding, which may or may not move it.
+        if not name.endswith("k_proj.bias"):
+            assert not torch.equal(parameter, TinyTransformer().state_dict()[name]), name
     return len(ring)
 
 

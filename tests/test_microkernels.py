@@ -131,12 +131,17 @@ def test_pack_key_panels_lays_out_k_transposed_by_sixteen_keys():
 def test_route_follows_numba_target(monkeypatch):
     monkeypatch.delenv("ATTNPERF_NUMBA_TILES", raising=False)
     monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
-    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+fma")
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx,+sse4.2")
     assert microkernels.tile_route("fp32")[0] == "blas"
     assert microkernels.tile_route("bf16")[0] == "blas"
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+fma")
+    assert microkernels.tile_route("fp32")[0] == "avx2"
+    assert microkernels.tile_route("bf16")[0] == "avx2"
+    assert microkernels.panel_vectors() == 1  # 6 x 16 blocks: 12 of the 16 ymm registers
     monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+avx512f,+avx512bf16")
     assert microkernels.tile_route("fp32")[0] == "avx512"
     assert microkernels.tile_route("bf16")[0] == "avx512-bf16"
+    assert microkernels.panel_vectors() == 4
 
 
 def test_tiles_choice_is_checked(monkeypatch):

@@ -90,11 +90,12 @@ def build_report(
     points: list[Measurement],
     sgemm_gflops: float | None = None,
     peak_gflops: float | None = None,
+    peak_kind: str = "fp32 FMA",
 ) -> dict:
     """The machine-readable report; `benchmarks` follows pytest-benchmark's layout.
-    `sgemm_gflops` and `peak_gflops` (the chip's peak for the call's dtype), measured in the
-    same run, give each point's GFLOP/s as a fraction of each (None: not measured, e.g. on
-    a GPU)."""
+    `sgemm_gflops` and `peak_gflops` (the chip's peak for the call's dtype: `peak_kind`),
+    measured in the same run, give each point's GFLOP/s as a fraction of each (None: not
+    measured, e.g. on a GPU)."""
     ratios = speed_vs_peer(points)
     benchmarks = []
     for p in points:
@@ -123,6 +124,7 @@ def build_report(
         "machine_info": machine_info(config),
         "sgemm_gflops": sgemm_gflops,
         "peak_gflops": peak_gflops,
+        "peak_kind": peak_kind,
         "config": asdict(config),
         "benchmarks": benchmarks,
         "fits": growth_fits(points),
@@ -242,7 +244,7 @@ def peak_text(report: dict) -> str:
     rate = report.get("peak_gflops")
     if rate is None:
         return "not measured in this run"
-    kind = "bf16 dot" if report["config"]["dtype"] == "bfloat16" else "fp32 FMA"
+    kind = report.get("peak_kind", "fp32 FMA")
     return f"{rate:.0f} GFLOP/s ({kind}, a register-only loop, one thread x threads)"
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import attnperf
 from attnperf.bench import sweep
 from attnperf.kernels.numba.jit import MISSING as NUMBA_MISSING
-from attnperf.kernels.numba.microkernels import peak_flops
+from attnperf.kernels.numba.microkernels import peak_flops, target_features
 
 # Llama-3-8B's attention: 32 query heads over 8 key/value heads of 128 dims.
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
@@ -204,6 +204,12 @@ def peak_rate(dtype: str, threads: int) -> float | None:
         return None
     per_thread = peak_flops("bf16") if dtype == "bfloat16" else None
     return (per_thread or peak_flops("fp32")) * threads
+
+
+def peak_kind(dtype: str) -> str:
+    """What `peak_rate` times for a call of `dtype`, in words."""
+    has_dot = dtype == "bfloat16" and "avx512bf16" in target_features()
+    return "bf16 dot" if has_dot else "fp32 FMA"
 
 
 def kv_bytes(batch: int, length: int, kv_heads: int, head_dim: int, element_size: int = 4) -> int:

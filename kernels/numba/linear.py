@@ -13,7 +13,7 @@ gate of the chunk up to i (per key dim for vector gates, else one per step), q^ 
 
 S0 and S1 are the state before and after the chunk. Every exponential is of a non-positive
 difference (gates <= 0), so strong decay underflows to 0 and never overflows. The products
-run on `product`'s tiles (our micro-kernels where AVX-512 serves, else BLAS). The
+run on `product`'s tiles (our micro-kernels where AVX2 or AVX-512 serves, else BLAS). The
 forward's items are (sequence, value head); the backward's are (sequence, key head), its
 value heads one after another so that their dq and dk add up in place. It takes each
 chunk's S0 and WY results as the forward kept them, or recomputes them in a first pass over

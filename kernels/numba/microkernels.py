@@ -12,9 +12,12 @@ element broadcast and each B row streamed as nv vectors (the last one masked to 
   side. One vdpbf16ps per A pair and B vector; where the CPU lacks AVX512-BF16 the same
   sums are two FMAs on the widened halves (exact: a product of two bf16 fits in fp32).
 
-The drivers below walk a whole product in micro-kernels: columns in panels of 64 (4
-vectors), rows in blocks of 6 (24 accumulators of the 32 zmm registers, as BLIS and oneDNN
-block for AVX-512), remainders by smaller literal shapes.
+The drivers below walk a whole product in micro-kernels: rows in blocks of 6, columns in
+panels as wide as the registers allow, remainders by smaller literal shapes. With AVX-512 a
+panel is 64 columns (4 vectors: 24 accumulators of the 32 zmm registers, as BLIS and oneDNN
+block for AVX-512); with AVX2 only, 16 (one vector, which LLVM splits in two ymm: 12
+accumulators of the 16 ymm registers, BLIS's 6 x 16 Haswell block). On AVX2 (AMD Zen 3)
+a 64-column panel spilled and ran at 30% of the FMA peak, a 16-column one at 86-93%.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from attnperf.kernels.numba.jit import (
 
 LANES = 16
 BLOCK_ROWS = 6  # rows of accumulators a micro-kernel holds
-PANEL = 64  # columns a micro-kernel holds: 4 vectors
 FP32, BF16 = 0, 1  # the products' kinds
 
 
@@ -64,10 +66,11 @@ TILE_CHOICES = ("auto", "blas", "own")
 
 
 def tile_route(kind: str) -> tuple[str, str]:
-    """(route, why) of the tile products for "fp32" or "bf16" (fp16 runs on fp32 tiles).
+    """(route, why) of the tile products for "fp32" or "bf16" (fp16 runs on fp32 tiles):
+    "avx512-bf16", "avx512" or "avx2" (our micro-kernels), or "blas".
 
     ATTNPERF_NUMBA_TILES=blas|own insists on BLAS or on our micro-kernels for fp32 (own
-    ones without AVX-512 run on LLVM's split vectors: for tests, not speed).
+    ones without AVX2 run on LLVM's split vectors: for tests, not speed).
     """
     choice = os.environ.get("ATTNPERF_NUMBA_TILES", "auto")
     if choice not in TILE_CHOICES:
@@ -79,13 +82,19 @@ def tile_route(kind: str) -> tuple[str, str]:
             why += " (AMX present; its brgemm route is not built yet)"
         return "avx512-bf16", why
     widened = "bf16 widened to " if kind == "bf16" else ""
+    if "avx512f" in features:
+        own, isa = "avx512", "AVX-512F"
+    elif {"avx2", "fma"} <= features:
+        own, isa = "avx2", "AVX2 and FMA (6 x 16 blocks)"
+    else:
+        own, isa = None, None
     if choice == "blas":
         return "blas", f"ATTNPERF_NUMBA_TILES=blas: {widened}BLAS sgemm tiles"
     if choice == "own":
-        return "avx512", f"ATTNPERF_NUMBA_TILES=own: {widened}our fp32 micro-kernels"
-    if "avx512f" not in features:
-        return "blas", f"no AVX-512 in numba's target: {widened}BLAS sgemm tiles"
-    return "avx512", f"AVX-512F: {widened}our fp32 FMA micro-kernels"
+        return own or "own", f"ATTNPERF_NUMBA_TILES=own: {widened}our fp32 micro-kernels"
+    if own is None:
+        return "blas", f"no AVX2 or AVX-512 in numba's target: {widened}BLAS sgemm tiles"
+    return own, f"{isa}: {widened}our fp32 FMA micro-kernels"
 
 
 class _BFloat(ir.Type if ir is not None else object):
@@ -249,7 +258,9 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
     - c_view (c, offset, row_stride): C[i, j] = c[offset + i row_stride + j].
 
     A and B of different dtypes trap: numba types both sides of an `if` on the operands'
-    dtype, and such a pair only appears on the side never taken.
+    dtype, and such a pair only appears on the side never taken. So does nv above
+    `panel_vectors()`, which the drivers never ask for: not compiling those shapes saves
+    time.
     """
     if not all(isinstance(value, types.IntegerLiteral) for value in (mr, nv)):
         return None
@@ -259,10 +270,11 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
     sig = types.void(mr, nv, types.intp, types.float32, types.float32, a_view, b_view, c_view,
                      types.intp)  # fmt: skip
     has_bf16 = "avx512bf16" in target_features()
+    most_vectors = panel_vectors()
 
     def codegen(context, builder, signature, args):
         depth, alpha, beta, a_view, b_view, c_view, cols = args[2:]
-        if a_dtype != b_dtype:
+        if a_dtype != b_dtype or vectors > most_vectors:
             builder.call(_function(builder, "llvm.trap", ir.VoidType(), []), [])
             return context.get_dummy_value()
         a_data, a_offset, a_row_stride, a_depth_stride = _operand(
@@ -282,42 +294,79 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
         lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), LANES), list(range(LANES)))
         mask = builder.icmp_signed("<", lane_numbers, _splat(builder, count, lane_numbers.type))
         emit = _Emitter(builder, kind_value, mask, has_bf16)
-        zero = ir.Constant(emit.f32x16, None)
-        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
-                for _ in range(rows)]  # fmt: skip
-        pair = 1 if kind_value == FP32 else 2
-        a_step = builder.mul(a_depth_stride, constant(pair))
-        with rolled_loop(builder, depth) as d:
-            b_row = builder.add(b_offset, builder.mul(d, b_row_stride))
-            b_vectors = []
-            for j in range(vectors):
-                at = builder.add(b_row, builder.mul(constant(j), b_vector_stride))
-                b_vectors.append(emit.b_operand(builder.gep(b_data, [at]), j == vectors - 1))
-            a_at = builder.add(a_offset, builder.mul(d, a_step))
-            for i in range(rows):
-                at = builder.add(a_at, builder.mul(constant(i), a_row_stride))
-                a_value = emit.a_operand(builder.gep(a_data, [at]))
+
+        def block_product(masked):
+            """The depth loop and C's update; the last vector's loads masked or not."""
+            zero = ir.Constant(emit.f32x16, None)
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
+                    for _ in range(rows)]  # fmt: skip
+            pair = 1 if kind_value == FP32 else 2
+            a_step = builder.mul(a_depth_stride, constant(pair))
+            with rolled_loop(builder, depth) as d:
+                b_row = builder.add(b_offset, builder.mul(d, b_row_stride))
+                b_vectors = []
                 for j in range(vectors):
-                    acc = builder.load(accs[i][j])
-                    builder.store(emit.multiply_add(acc, a_value, b_vectors[j]), accs[i][j])
-        alpha_vector = _splat(builder, alpha, emit.f32x16)
-        beta_vector = _splat(builder, beta, emit.f32x16)
-        reads_c = builder.fcmp_ordered("!=", beta, ir.Constant(ir.FloatType(), 0.0))
-        for i in range(rows):
-            c_row = builder.add(c_offset, builder.mul(constant(i), c_row_stride))
-            for j in range(vectors):
-                last = j == vectors - 1
-                pointer = builder.gep(c_data, [builder.add(c_row, constant(LANES * j))])
-                value = builder.fmul(builder.load(accs[i][j]), alpha_vector)
-                with builder.if_else(reads_c) as (then, otherwise):
-                    with then:
-                        old = emit.load(pointer, emit.f32x16, last)
-                        emit.store(builder.call(emit.fma, [old, beta_vector, value]), pointer, last)
-                    with otherwise:
-                        emit.store(value, pointer, last)
+                    at = builder.add(b_row, builder.mul(constant(j), b_vector_stride))
+                    b_vectors.append(
+                        emit.b_operand(builder.gep(b_data, [at]), masked and j == vectors - 1)
+                    )
+                a_at = builder.add(a_offset, builder.mul(d, a_step))
+                for i in range(rows):
+                    at = builder.add(a_at, builder.mul(constant(i), a_row_stride))
+                    a_value = emit.a_operand(builder.gep(a_data, [at]))
+                    for j in range(vectors):
+                        acc = builder.load(accs[i][j])
+                        builder.store(emit.multiply_add(acc, a_value, b_vectors[j]), accs[i][j])
+            alpha_vector = _splat(builder, alpha, emit.f32x16)
+            beta_vector = _splat(builder, beta, emit.f32x16)
+            reads_c = builder.fcmp_ordered("!=", beta, ir.Constant(ir.FloatType(), 0.0))
+            for i in range(rows):
+                c_row = builder.add(c_offset, builder.mul(constant(i), c_row_stride))
+                for j in range(vectors):
+                    last = masked and j == vectors - 1
+                    pointer = builder.gep(c_data, [builder.add(c_row, constant(LANES * j))])
+                    value = builder.fmul(builder.load(accs[i][j]), alpha_vector)
+                    with builder.if_else(reads_c) as (then, otherwise):
+                        with then:
+                            old = emit.load(pointer, emit.f32x16, last)
+                            emit.store(
+                                builder.call(emit.fma, [old, beta_vector, value]), pointer, last
+                            )
+                        with otherwise:
+                            emit.store(value, pointer, last)
+
+        if most_vectors > 1:  # AVX-512: masks are free, in registers of their own
+            block_product(masked=True)
+            return context.get_dummy_value()
+        # Without AVX-512, whole panels load unmasked: on AVX2 (Zen 3) the masked loads
+        # (vmaskmovps), and the mask spilled for want of a 17th register, held the 6 x 16
+        # kernel to 56-73% of the FMA peak, against 86-93% unmasked.
+        full = builder.icmp_signed("==", cols, constant(LANES * vectors))
+        with builder.if_else(full) as (whole, partial):
+            with whole:
+                block_product(masked=False)
+            with partial:
+                block_product(masked=True)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def panel_vectors() -> int:
+    """Vectors of 16 columns a micro-kernel holds on numba's target: 4 with AVX-512, else
+    1 (two ymm halves with AVX2)."""
+    return 4 if "avx512f" in target_features() else 1
+
+
+@intrinsic
+def panel_width(typingctx):
+    """Columns a micro-kernel holds (`panel_vectors`), fixed where the code is compiled."""
+    width = LANES * panel_vectors()
+
+    def codegen(context, builder, signature, args):
+        return context.get_constant(types.intp, width)
+
+    return types.intp(), codegen
 
 
 @njit(fastmath=FASTMATH)
@@ -350,11 +399,13 @@ def _row_blocks(nv, depth, alpha, beta, a_view, b_view, c_view, rows, cols):
 def tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols):
     """C[:rows, :cols] = alpha * A[:rows, :depth] @ B[:depth, :cols] + beta * C in
     micro-kernels (views and kinds as `micro_kernel`'s; for bf16 `depth` counts pairs).
-    Columns go in panels of 64, whose B rows stay in L1 across the panel's row blocks."""
+    Columns go in panels (`panel_width`), whose B rows stay in L1 across the panel's row
+    blocks."""
     b, b_offset, b_row_stride, b_vector_stride = b_view
     c, c_offset, c_row_stride = c_view
-    for j0 in range(0, cols, PANEL):
-        width = min(PANEL, cols - j0)
+    panel = panel_width()
+    for j0 in range(0, cols, panel):
+        width = min(panel, cols - j0)
         b_panel = (b, b_offset + j0 // LANES * b_vector_stride, b_row_stride, b_vector_stride)
         c_panel = (c, c_offset + j0, c_row_stride)
         if width > 3 * LANES:

@@ -29,4 +29,4 @@ def product(a, b, c, alpha, beta, trans_a, trans_b, tiles):
 def tiles_flag() -> int:
     """OWN_TILES where our fp32 micro-kernels serve this process (`tile_route`), else
     BLAS_TILES."""
-    return OWN_TILES if tile_route("fp32")[0] == "avx512" else BLAS_TILES
+    return BLAS_TILES if tile_route("fp32")[0] == "blas" else OWN_TILES
