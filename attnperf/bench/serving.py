@@ -202,12 +202,11 @@ def peak_rate(dtype: str, threads: int) -> float | None:
     thread times `threads` (one per core). None without numba, which emits the loop."""
     if NUMBA_MISSING:
         return None
-    per_thread = peak_flops("bf16") if dtype == "bfloat16" else None
-    return (per_thread or peak_flops("fp32")) * threads
+    return peak_flops("bf16" if peak_kind(dtype) == "bf16 dot" else "fp32") * threads
 
 
 def peak_kind(dtype: str) -> str:
-    """What `peak_rate` times for a call of `dtype`, in words."""
+    """What `peak_rate` times for a call of `dtype`, in words: "bf16 dot" or "fp32 FMA"."""
     has_dot = dtype == "bfloat16" and "avx512bf16" in target_features()
     return "bf16 dot" if has_dot else "fp32 FMA"
 

@@ -294,14 +294,16 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
         lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), LANES), list(range(LANES)))
         mask = builder.icmp_signed("<", lane_numbers, _splat(builder, count, lane_numbers.type))
         emit = _Emitter(builder, kind_value, mask, has_bf16)
+        zero = ir.Constant(emit.f32x16, None)
+        a_step = builder.mul(a_depth_stride, constant(1 if kind_value == FP32 else 2))
+        alpha_vector = _splat(builder, alpha, emit.f32x16)
+        beta_vector = _splat(builder, beta, emit.f32x16)
+        reads_c = builder.fcmp_ordered("!=", beta, ir.Constant(ir.FloatType(), 0.0))
 
         def block_product(masked):
             """The depth loop and C's update; the last vector's loads masked or not."""
-            zero = ir.Constant(emit.f32x16, None)
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
                     for _ in range(rows)]  # fmt: skip
-            pair = 1 if kind_value == FP32 else 2
-            a_step = builder.mul(a_depth_stride, constant(pair))
             with rolled_loop(builder, depth) as d:
                 b_row = builder.add(b_offset, builder.mul(d, b_row_stride))
                 b_vectors = []
@@ -317,9 +319,6 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
                     for j in range(vectors):
                         acc = builder.load(accs[i][j])
                         builder.store(emit.multiply_add(acc, a_value, b_vectors[j]), accs[i][j])
-            alpha_vector = _splat(builder, alpha, emit.f32x16)
-            beta_vector = _splat(builder, beta, emit.f32x16)
-            reads_c = builder.fcmp_ordered("!=", beta, ir.Constant(ir.FloatType(), 0.0))
             for i in range(rows):
                 c_row = builder.add(c_offset, builder.mul(constant(i), c_row_stride))
                 for j in range(vectors):
