@@ -17,7 +17,7 @@ panels as wide as the registers allow, remainders by smaller literal shapes. Wit
 panel is 64 columns (4 vectors: 24 accumulators of the 32 zmm registers, as BLIS and oneDNN
 block for AVX-512); with AVX2 only, 16 (one vector, which LLVM splits in two ymm: 12
 accumulators of the 16 ymm registers, BLIS's 6 x 16 Haswell block). On AVX2 (AMD Zen 3)
-a 64-column panel spilled and ran at 30% of the FMA peak, a 16-column one at 86-93%.
+a 64-column panel spilled and ran at 23-32% of the FMA peak, a 16-column one at 72-92%.
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
             return context.get_dummy_value()
         # Without AVX-512, whole panels load unmasked: on AVX2 (Zen 3) the masked loads
         # (vmaskmovps), and the mask spilled for want of a 17th register, held the 6 x 16
-        # kernel to 56-73% of the FMA peak, against 86-93% unmasked.
+        # kernel to 56-73% of the FMA peak, against 72-92% unmasked.
         full = builder.icmp_signed("==", cols, constant(LANES * vectors))
         with builder.if_else(full) as (whole, partial):
             with whole:
