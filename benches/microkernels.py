@@ -10,6 +10,10 @@ Products, a 128-row query tile against a 512-key tile as the forward walks them:
 - dq: dq (128, E) += dS (128, 512) @ K through gemm_fp32 (the backward's products);
 - dS^T Q: dk (512, E) += dS^T @ Q, A read transposed;
 - QK^T by gemm_fp32 with a transposed B, packed per call (the backward's scores).
+
+Then the fp32 forward's tile step by step, each alone: QK^T, the online softmax on the
+score tile (row max, exp2, sums, the accumulator rescaled: each row's max rising by 0.5
+as in a later key tile), PV; and each one's share of the tile.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import time
 import numpy as np
 import torch
 
-from attnperf.kernels.numba.jit import njit
+from attnperf.kernels.numba.attention import online_softmax_rescale
+from attnperf.kernels.numba.fastmath import LOG2E
+from attnperf.kernels.numba.jit import FASTMATH, njit
 from attnperf.kernels.numba.microkernels import (
     gemm_fp32,
     pack_key_panels,
@@ -44,6 +50,22 @@ def repeat_product(reps, depth, a_view, b_view, c_view, rows, cols):
 def repeat_gemm(reps, a, b, c, trans_a, trans_b):
     for _ in range(reps):
         gemm_fp32(a, b, c, np.float32(1.0), np.float32(1.0), trans_a, trans_b)
+
+
+@njit(fastmath=FASTMATH)
+def repeat_softmax(reps, scores, start, s, acc, row_max, row_sum, shift):
+    """The online softmax step `reps` times, each on a fresh copy of `scores` whose rows'
+    running max was `start`."""
+    for _ in range(reps):
+        s[:] = scores
+        row_max[:] = start
+        online_softmax_rescale(s, s.shape[0], s.shape[1], acc, row_max, row_sum, shift)
+
+
+@njit(fastmath=FASTMATH)
+def repeat_copy(reps, scores, s):
+    for _ in range(reps):
+        s[:] = scores
 
 
 def median_seconds(run, reps, rounds):
@@ -109,6 +131,30 @@ def products(dim, rounds):
     return rows
 
 
+def forward_tile(dim, rounds):
+    """Seconds of the fp32 forward's tile steps alone: {"QK^T", "online softmax", "PV"}."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(rows, dim, generator=gen).numpy() for rows in (ROWS, KEYS, KEYS))
+    panels = np.empty((KEYS // 16, dim, 16), np.float32)
+    pack_key_panels(k, panels)
+    scores, acc = np.zeros((ROWS, KEYS), np.float32), np.zeros((ROWS, dim), np.float32)
+    scale2 = np.float32(dim**-0.5 * LOG2E)
+    views = ((q, 0, dim, 1), (panels, 0, 16, dim * 16), (scores, 0, KEYS))
+    repeat_product(1, dim, *views, ROWS, KEYS)  # scores in base 2, scaled once
+    scores *= scale2
+    start = scores.max(1) - np.float32(0.5)
+    s, stats = np.empty_like(scores), [np.zeros(ROWS, np.float32) for _ in range(3)]
+    reps = max(1, int(1e9 / (4 * ROWS * KEYS * dim)))
+    qk = median_seconds(lambda n: repeat_product(n, dim, *views, ROWS, KEYS), reps, rounds)
+    softmax = median_seconds(
+        lambda n: repeat_softmax(n, scores, start, s, acc, *stats), reps, rounds
+    )
+    copy = median_seconds(lambda n: repeat_copy(n, scores, s), reps, rounds)
+    pv_views = ((s, 0, KEYS, 1), (v, 0, dim, 16), (acc, 0, dim))
+    pv = median_seconds(lambda n: repeat_product(n, KEYS, *pv_views, ROWS, dim), reps, rounds)
+    return {"QK^T": qk, "online softmax": softmax - copy, "PV": pv}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -130,6 +176,12 @@ def main():
             print(f"| {dim} | {name} | {dtype} | {flops / ours / 1e9:.0f} | "
                   f"{flops / ours / peak:.0%} | {flops / theirs / 1e9:.0f} | "
                   f"{flops / theirs / peak:.0%} | {theirs / ours:.2f}x |")  # fmt: skip
+    print(f"\nThe fp32 forward's {ROWS} x {KEYS} tile, step by step (each alone):")
+    for dim in args.head_dims:
+        steps = forward_tile(dim, args.rounds)
+        tile = sum(steps.values())
+        shares = (f"{name} {t * 1e6:.0f} us ({t / tile:.0%})" for name, t in steps.items())
+        print(f"E = {dim}: tile {tile * 1e6:.0f} us; " + ", ".join(shares))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The numba backend's own choices: the BLAS it binds, both backward schedules."""
+"""The numba backend's own choices: the BLAS it binds, both backward schedules, its exp2."""
 
 import os
 import subprocess
@@ -16,7 +16,7 @@ from attnperf.inputs import prepare
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
 pytest.importorskip("numba")
-from attnperf.kernels.numba import attention, blas, launch
+from attnperf.kernels.numba import attention, blas, fastmath, launch
 
 if dispatch.registry()["numba"].unavailable_reason():
     pytest.skip(dispatch.registry()["numba"].unavailable_reason(), allow_module_level=True)
@@ -159,3 +159,17 @@ def test_fp32_views_are_read_in_place_and_other_layouts_copied():
 )
 def test_backward_schedule_follows_thread_occupancy(items, threads, fused):
     assert attention.fused_backward_pays(items, threads) is fused
+
+
+def test_exp2_is_within_its_stated_error_and_keeps_nan():
+    t = np.concatenate([np.linspace(-126, 40, 1_000_001), np.arange(-126, 41)]).astype(np.float32)
+    got = t.copy()
+    fastmath.exp2_shifted(got, got.size, np.float32(0.0), np.float32(1.0))
+    exact = np.exp2(t.astype(np.float64))
+    assert np.max(np.abs(got / exact - 1)) < 8e-8
+    integers = t[-167:]  # 2 ** n exactly
+    np.testing.assert_array_equal(got[-167:], np.exp2(integers))
+    edges = np.array([np.nan, -np.inf, -200.0, -126.5], np.float32)
+    fastmath.exp2_shifted(edges, 4, np.float32(0.0), np.float32(1.0))
+    assert np.isnan(edges[0]) and edges[1] == 0 and edges[2] == 0
+    assert edges[3] == np.float32(2.0**-126.5)  # flushed to 0 only below it

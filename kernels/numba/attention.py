@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from attnperf.inputs import AttentionInputs
-from attnperf.kernels.numba.fastmath import LOG2E, exp2_shifted, row_maximum
+from attnperf.kernels.numba.fastmath import LOG2E, exp2, exp2_shifted, row_maximum
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
 from attnperf.kernels.numba.launch import (
     as_bf16_bits,
@@ -74,11 +74,13 @@ def online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift):
         new_max = row_maximum(s[r], cols, row_max[r])
         # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
         shift[r] = new_max if new_max != -np.inf else 0.0
-        alpha = 2.0 ** (row_max[r] - shift[r]) if row_max[r] != -np.inf else 0.0
+        # Our float32 exp2, not `2.0 **` (a float64 libm pow per row); 1 leaves acc alone.
+        alpha = exp2(row_max[r] - shift[r]) if row_max[r] != -np.inf else np.float32(0.0)
         row_max[r] = new_max
         row_sum[r] = row_sum[r] * alpha + exp2_shifted(s[r], cols, shift[r], 1.0)
-        for e in range(acc.shape[1]):
-            acc[r, e] *= alpha
+        if alpha != 1:
+            for e in range(acc.shape[1]):
+                acc[r, e] *= alpha
 
 
 @njit(fastmath=FASTMATH)
@@ -512,8 +514,9 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
                 packed_forward_serial(*args)
             else:
                 run_parallel(packed_forward, *args)
-    # A bf16 call of odd E ran on a zero column more (its pairs whole).
-    return out[..., : inputs.value.shape[3]].to(inputs.dtype), stats
+    if out.shape[3] != inputs.value_dim:  # a bf16 call of odd E ran on a zero column more
+        out = out[..., : inputs.value_dim]
+    return out.to(inputs.dtype), stats
 
 
 def forward_flops(inputs: AttentionInputs, variant: tuple) -> int:
