@@ -6,7 +6,7 @@ L = 64 and 256, and B = 32, H = 12, L = 128. Each round times a block of ~20 ms 
 of each form; prints the median time of each and what attnperf adds to SDPA's call, for
 backend="auto" (validation, the "auto" walk, the backend's own steps) and backend="sdpa".
 Then the call's validation (`prepare`) alone: back to back, and right after an SDPA call
-(whose OpenMP workers are then spinning).
+(whose data then fills the caches, and whose OpenMP workers may still be spinning).
 
     python benches/dispatch_overhead.py [--rounds 11]
 """
