@@ -17,20 +17,13 @@ import time
 
 import torch
 import torch.nn.functional as F
+from short_calls import take_turns  # benches/, the script's own folder
 
 import attnperf
 from attnperf.inputs import prepare
 from attnperf.machine import cpu_description
 
 SHAPES = ((1, 8, 64, 64), (1, 8, 256, 64), (32, 12, 128, 64))
-
-
-def block_time(call, repeats: int) -> float:
-    """Seconds per call over `repeats` calls back to back."""
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - start) / repeats
 
 
 def medians(q, k, v, rounds: int) -> dict[str, float]:
@@ -40,14 +33,7 @@ def medians(q, k, v, rounds: int) -> dict[str, float]:
         "auto": lambda: attnperf.attention(q, k, v),
         "sdpa": lambda: attnperf.attention(q, k, v, backend="sdpa"),
     }
-    for call in calls.values():
-        call()
-    repeats = max(1, int(0.02 / block_time(calls["F.sdpa"], 3)))
-    times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            times[name].append(block_time(call, repeats))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in take_turns(calls, rounds).items()}
 
 
 def validation_times(q, k, v, rounds: int) -> tuple[float, float]:
@@ -77,8 +63,8 @@ def main() -> None:
         median = medians(q, k, v, args.rounds)
         sdpa, chosen = median["F.sdpa"], attnperf.choose_backend(q, k, v)
         print(f"B={shape[0]:2d} H={shape[1]:2d} L={shape[2]:3d}: F.sdpa {1e6 * sdpa:8.1f} us; "
-              f"attnperf auto ({chosen}) +{1e6 * (median['auto'] - sdpa):6.1f} us, "
-              f"backend='sdpa' +{1e6 * (median['sdpa'] - sdpa):6.1f} us")  # fmt: skip
+              f"attnperf auto ({chosen}) {1e6 * (median['auto'] - sdpa):+7.1f} us, "
+              f"backend='sdpa' {1e6 * (median['sdpa'] - sdpa):+7.1f} us")  # fmt: skip
         warm, after = validation_times(q, k, v, args.rounds)
         print(f"  its validation alone: {1e6 * warm:.1f} us back to back, {1e6 * after:.1f} us "
               "right after an SDPA call")  # fmt: skip

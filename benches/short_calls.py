@@ -30,19 +30,26 @@ def block_time(call, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def take_turns(calls: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each named call, one block of ~20 ms of the first call's length
+    per round, the calls taking turns in each round."""
+    for call in calls.values():  # compiled, warm
+        call()
+    repeats = max(1, int(0.02 / block_time(next(iter(calls.values())), 3)))
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(block_time(call, repeats))
+    return times
+
+
 def race(q, k, v, rounds: int) -> tuple[float, float, list[float]]:
     """(SDPA's median seconds, numba's, the sorted ratios SDPA / numba of the rounds)."""
     calls = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
         "numba": lambda: attnperf.attention(q, k, v, backend="numba"),
     }
-    for call in calls.values():  # compiled, warm
-        call()
-    repeats = max(1, int(0.02 / block_time(calls["sdpa"], 3)))
-    times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            times[name].append(block_time(call, repeats))
+    times = take_turns(calls, rounds)
     ratios = sorted(s / n for s, n in zip(times["sdpa"], times["numba"], strict=True))
     return statistics.median(times["sdpa"]), statistics.median(times["numba"]), ratios
 
