@@ -113,19 +113,32 @@ def test_to_bf16_rounds_to_nearest_even_as_torch():
     assert rounded[0, -1] == 0  # an odd count: a zero after, so that pairs are whole
 
 
-def test_pack_key_panels_lays_out_k_transposed_by_sixteen_keys():
-    k = np.arange(37 * 5, dtype=np.float32).reshape(37, 5)
-    packed = np.full((3, 5, 16), np.nan, np.float32)
-    pack_key_panels(k, packed)
-    expected = np.zeros((48, 5), np.float32)
-    expected[:37] = k
-    assert np.array_equal(packed, expected.reshape(3, 16, 5).transpose(0, 2, 1))
-    k16 = np.arange(20 * 3, dtype=np.uint16).reshape(20, 3)
-    pairs = np.full((2, 2, 32), 7, np.uint16)
-    pack_key_panels(k16, pairs)
-    wide = np.zeros((32, 4), np.uint16)
-    wide[:20, :3] = k16
-    assert np.array_equal(pairs, wide.reshape(2, 16, 2, 2).transpose(0, 2, 1, 3).reshape(2, 2, 32))
+@pytest.mark.parametrize("keys", [1, 15, 16, 17, 37])
+@pytest.mark.parametrize("dim", [1, 5, 16, 40, 59, 100, 130])
+def test_pack_key_panels_lays_out_k_transposed_by_sixteen_keys(keys, dim):
+    rows = np.arange(keys * (dim + 3), dtype=np.float32).reshape(keys, dim + 3) + 1
+    expected = np.zeros((16 * (keys // 16 + 2), dim), np.float32)  # a panel past the keys
+    expected[:keys] = rows[:, :dim]
+    expected = expected.reshape(-1, 16, dim).transpose(0, 2, 1)
+    # In registers (rows of unit stride, here a row stride past dim), and element by element.
+    for k in (rows[:, :dim], np.asfortranarray(rows[:, :dim])):
+        packed = np.full(expected.shape, np.nan, np.float32)
+        pack_key_panels(k, packed)
+        assert np.array_equal(packed, expected)
+
+
+@pytest.mark.parametrize("keys", [1, 17, 37])
+@pytest.mark.parametrize("dim", [1, 2, 3, 40, 59, 66])
+def test_pack_key_panels_pairs_bf16_keys(keys, dim):
+    rows = np.arange(keys * (dim + 3), dtype=np.uint16).reshape(keys, dim + 3) + 1
+    depth, panels = (dim + 1) // 2, keys // 16 + 2  # a panel past the keys
+    wide = np.zeros((16 * panels, 2 * depth), np.uint16)
+    wide[:keys, :dim] = rows[:, :dim]
+    expected = wide.reshape(panels, 16, depth, 2).transpose(0, 2, 1, 3).reshape(panels, depth, 32)
+    for k in (rows[:, :dim], np.asfortranarray(rows[:, :dim])):  # in registers (even E), or not
+        pairs = np.full(expected.shape, 7, np.uint16)
+        pack_key_panels(k, pairs)
+        assert np.array_equal(pairs, expected)
 
 
 def test_route_follows_numba_target(monkeypatch):

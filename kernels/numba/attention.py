@@ -36,7 +36,6 @@ from attnperf.kernels.numba.variant import (
     longest,
     lower_variant,
     modify_scores,
-    pair_count,
     query_range,
     sequence,
     tile_structure,
@@ -56,12 +55,8 @@ BLOCK_N = 512
 # windows of 256 and 1024, L = 4096 (of 32/64/128 x 128/256/512).
 BANDED_BLOCK_M = 64
 BANDED_BACKWARD_BLOCK_N = 128
-# Keys and values of a forward of fewer FLOPs are packed on the calling thread, where a
-# parallel region (~10-20 us to wake the threads) did not pay: B = 1, H = 8, L = 64-128
-# (8-34 MFLOP) packed in 20-30 us either way. The forward itself runs on the threads
-# wherever it has two query tiles to share: H = 2, L = 64 (2 MFLOP) took 23 us there
-# against 35 us serially.
-PACK_SERIAL_MAX_FLOPS = 1 << 24
+# The forward runs on the threads wherever it has two query tiles to share: H = 2, L = 64
+# (2 MFLOP) took 23 us there against 35 us serially.
 # Query rows of a call's tiles where whole ones (BLOCK_M) leave a thread fewer than two.
 SHORT_CALL_BLOCK_M = 64
 
@@ -148,30 +143,16 @@ def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n
 
 @njit(fastmath=FASTMATH)
 def pack_sequence(k, v, variant, key_panels, value_pairs, item):
-    """Item (sequence, kv head) of `pack_operands`."""
+    """Item (sequence, kv head) of the packing: its keys into key_panels (NS, Hk, S16,
+    depth, 16 w) as `pack_key_panels`, and for bf16 its values into value_pairs (NS, Hk,
+    ceil(S / 2), 2 Ev) as `pack_vnni` (empty for fp32: V is read in place). A sequence
+    starts at a panel, whatever its offset in k and v."""
     kv_heads = k.shape[1]
     b, hk, _ = split_index(item, kv_heads, 1)
     slot, _, _, k0, kv_len = sequence(variant, b)
     pack_key_panels(k[slot, hk, k0 : k0 + kv_len], key_panels[b, hk])
     if value_pairs.shape[0] > 0:
         pack_vnni(v[slot, hk, k0 : k0 + kv_len], value_pairs[b, hk])
-
-
-@njit(parallel=True, fastmath=FASTMATH)
-def pack_operands(k, v, variant, key_panels, value_pairs):
-    """Each sequence's keys and values packed once for the micro-kernels, per (sequence,
-    kv head): key_panels (NS, Hk, S16, depth, 16 w) as `pack_key_panels`, and for bf16
-    value_pairs (NS, Hk, ceil(S / 2), 2 Ev) as `pack_vnni` (empty for fp32: V is read in
-    place). A sequence starts at a panel, whatever its offset in k and v."""
-    for item in prange(variant[4].shape[0] * k.shape[1]):
-        pack_sequence(k, v, variant, key_panels, value_pairs, item)
-
-
-@njit(fastmath=FASTMATH)
-def pack_operands_serial(k, v, variant, key_panels, value_pairs):
-    """pack_operands on the calling thread (a small call: see PACK_SERIAL_MAX_FLOPS)."""
-    for item in range(variant[4].shape[0] * k.shape[1]):
-        pack_sequence(k, v, variant, key_panels, value_pairs, item)
 
 
 @njit(fastmath=FASTMATH)
@@ -235,11 +216,17 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
 
 
 @njit(parallel=True, fastmath=FASTMATH)
-def packed_forward(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
+def packed_forward(q, k, v, key_panels, value_pairs, variant, scale, out, stats, block_m,
                    block_n):  # fmt: skip
-    """online_softmax_forward on our micro-kernels over packed keys: fp32 (q, v float32) or
-    bf16 (q, v bf16 bits, values packed in pairs, P rounded to bf16 before P V; E even).
-    Scores, softmax and accumulation in fp32."""
+    """online_softmax_forward on our micro-kernels: each (sequence, kv head)'s keys (and
+    bf16 values) packed once into key_panels (value_pairs), then every query tile over
+    them. fp32 (q, k, v float32) or bf16 (q, k, v bf16 bits, values packed in pairs, P
+    rounded to bf16 before P V; E even). Scores, softmax and accumulation in fp32.
+
+    One call for both steps: a short call paid ~4 us of arguments per kernel call, and its
+    packing ran on one thread to spare a second parallel region."""
+    for item in prange(variant[4].shape[0] * k.shape[1]):
+        pack_sequence(k, v, variant, key_panels, value_pairs, item)
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     for item in prange(variant[4].shape[0] * q.shape[1] * q_tiles):
         packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
@@ -247,9 +234,11 @@ def packed_forward(q, key_panels, v, value_pairs, variant, scale, out, stats, bl
 
 
 @njit(fastmath=FASTMATH)
-def packed_forward_serial(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                          block_n):  # fmt: skip
+def packed_forward_serial(q, k, v, key_panels, value_pairs, variant, scale, out, stats,
+                          block_m, block_n):  # fmt: skip
     """packed_forward on the calling thread (one query tile: nothing to share)."""
+    for item in range(variant[4].shape[0] * k.shape[1]):
+        pack_sequence(k, v, variant, key_panels, value_pairs, item)
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     for item in range(variant[4].shape[0] * q.shape[1] * q_tiles):
         packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
@@ -506,10 +495,9 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
             )  # fmt: skip
         else:
             block_m, block_n = short_call_tiles(inputs, variant)
-            pack_serial = forward_flops(inputs, variant) < PACK_SERIAL_MAX_FLOPS
-            key_panels, value_pairs = packed_operands(k, v, variant, kind, pack_serial)
-            args = (q, key_panels, v, value_pairs, variant, inputs.scale, out_array, stats_array,
-                    block_m, block_n)  # fmt: skip
+            key_panels, value_pairs = packing_buffers(k, v, variant, kind)
+            args = (q, k, v, key_panels, value_pairs, variant, inputs.scale, out_array,
+                    stats_array, block_m, block_n)  # fmt: skip
             if query_tiles(inputs, variant, block_m) < 2:
                 packed_forward_serial(*args)
             else:
@@ -517,12 +505,6 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     if out.shape[3] != inputs.value_dim:  # a bf16 call of odd E ran on a zero column more
         out = out[..., : inputs.value_dim]
     return out.to(inputs.dtype), stats
-
-
-def forward_flops(inputs: AttentionInputs, variant: tuple) -> int:
-    """The forward's FLOPs if every (query, key) pair of each sequence took part (from the
-    lowered variant's sequence table: `inputs.sequences` is built anew at each access)."""
-    return 2 * pair_count(variant) * inputs.q_heads * (inputs.head_dim + inputs.value_dim)
 
 
 def query_tiles(inputs: AttentionInputs, variant: tuple, block_m: int) -> int:
@@ -562,9 +544,8 @@ def operands(inputs: AttentionInputs, kind: int | None) -> tuple[np.ndarray, ...
     return as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
 
 
-def packed_operands(k, v, variant, kind, serial) -> tuple[np.ndarray, np.ndarray]:
-    """Keys in panels and (bf16) values in pairs, packed once per call (`pack_operands`;
-    on the calling thread if `serial`)."""
+def packing_buffers(k, v, variant, kind) -> tuple[np.ndarray, np.ndarray]:
+    """The arrays `packed_forward` packs keys into, in panels, and (bf16) values, in pairs."""
     count, kv_heads, dim = variant[4].shape[0], k.shape[1], k.shape[3]
     width = LANES * (1 if kind == FP32 else 2)
     depth = dim if kind == FP32 else (dim + 1) // 2
@@ -574,10 +555,6 @@ def packed_operands(k, v, variant, kind, serial) -> tuple[np.ndarray, np.ndarray
     key_panels = np.empty((count, kv_heads, panels, depth, width), dtype)
     pairs_shape = (count, kv_heads, (longest_keys + 1) // 2, 2 * v.shape[3])
     value_pairs = np.empty(pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
-    if serial:
-        pack_operands_serial(k, v, variant, key_panels, value_pairs)
-    else:
-        run_parallel(pack_operands, k, v, variant, key_panels, value_pairs)
     return key_panels, value_pairs
 
 

@@ -468,6 +468,59 @@ def to_bf16(typingctx, x):
     return sig, codegen
 
 
+@intrinsic
+def transpose_block(typingctx, src_view, rows, cols, dst_view):
+    """dst[d_offset + c d_stride + r] = src[s_offset + r s_stride + c] for r < 16 and c <
+    cols <= 16, zeros for r >= rows: a 16 x 16 block of 32-bit elements transposed in
+    registers (16 masked loads, four rounds of the perfect shuffle, 16 stores); float32,
+    or pairs of bf16 (uint16 arrays: element i is the pair at 2 i, offsets and strides
+    count uint16). Views: src_view (src, offset, row_stride), dst_view (dst, offset,
+    row_stride); rows past `rows` are never read. Other dtypes trap."""
+    sig = types.void(src_view, types.intp, types.intp, dst_view)
+    dtypes = src_view[0].dtype, dst_view[0].dtype
+    served = dtypes in ((types.float32, types.float32), (types.uint16, types.uint16))
+
+    def codegen(context, builder, signature, args):
+        if not served:  # on a side of an `if` never taken
+            builder.call(_function(builder, "llvm.trap", ir.VoidType(), []), [])
+            return context.get_dummy_value()
+        src_view, rows, cols, dst_view = args
+        src, s_offset, s_stride = _operand(context, builder, signature.args[0], src_view)
+        dst, d_offset, d_stride = _operand(context, builder, signature.args[3], dst_view)
+        index_type = rows.type
+        lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), LANES), list(range(LANES)))
+        count = builder.trunc(cols, ir.IntType(32))
+        in_cols = builder.icmp_signed("<", lane_numbers, _splat(builder, count, lane_numbers.type))
+        emit = _Emitter(builder, FP32, None, False)
+        vectors = []
+        for r in range(LANES):
+            present = builder.icmp_signed("<", ir.Constant(index_type, r), rows)
+            emit.mask = builder.and_(in_cols, _splat(builder, present, in_cols.type))
+            at = builder.add(s_offset, builder.mul(ir.Constant(index_type, r), s_stride))
+            vectors.append(emit.load(builder.gep(src, [at]), emit.f32x16, True))
+        # Interleaving a with b: their first halves (low), their second halves (high).
+        low = [lane // 2 + (LANES if lane % 2 else 0) for lane in range(LANES)]
+        high = [lane + LANES // 2 for lane in low]
+        half = LANES // 2
+        for _ in range(4):  # log2(16) perfect shuffles of 16 vectors transpose them
+            shuffled = []
+            for a, b in zip(vectors[:half], vectors[half:], strict=True):
+                shuffled += [_shuffle(builder, a, b, low), _shuffle(builder, a, b, high)]
+            vectors = shuffled
+        for c, vector in enumerate(vectors):
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(index_type, c), cols)):
+                at = builder.add(d_offset, builder.mul(ir.Constant(index_type, c), d_stride))
+                emit.store(vector, builder.gep(dst, [at]), False)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _shuffle(builder, a, b, lanes):
+    """Lane i of the result: lane lanes[i] of a, or of b for lanes[i] >= 16."""
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), LANES), lanes))
+
+
 @njit(fastmath=FASTMATH)
 def pack_key_panels(k, packed):
     """packed (ceil(S / 16), depth, 16 w) <- k (S, E) as B = K^T in panels of 16 keys: for
@@ -476,6 +529,15 @@ def pack_key_panels(k, packed):
     keys, dim = k.shape
     panels, depth, width = packed.shape
     pair = width // LANES
+    if k.strides[1] == k.itemsize and dim % pair == 0:  # 16 x 16 blocks in registers
+        row_stride = k.strides[0] // k.itemsize
+        for p in range(panels):
+            rows = max(0, min(LANES, keys - p * LANES))
+            for d0 in range(0, depth, LANES):  # fp32 elements or bf16 pairs
+                block = (packed, (p * depth + d0) * width, width)
+                transpose_block((k, p * LANES * row_stride + d0 * pair, row_stride), rows,
+                                min(LANES, depth - d0), block)  # fmt: skip
+        return
     for p in range(panels):
         out = packed[p]
         for t in range(LANES):

@@ -42,16 +42,6 @@ def sequence(variant, b):
 
 
 @njit()
-def pair_count(variant):
-    """The (query, key) pairs of the sequences, as if each query saw every key."""
-    sequences = variant[4]
-    total = 0
-    for b in range(sequences.shape[0]):
-        total += sequences[b, 2] * sequences[b, 4]
-    return total
-
-
-@njit()
 def longest(variant, column):
     """The largest q_len (column 2) or k_len (4) of the sequences."""
     sequences = variant[4]
