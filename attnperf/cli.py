@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -129,24 +130,34 @@ def tune_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_dtypes(args: argparse.Namespace) -> tuple[str, ...]:
+    """The dtypes a sweep measures: --dtype's, else fp32 and bf16 (fp32 alone for --quick,
+    CI's sweep against a fp32 baseline)."""
+    if args.dtype:
+        return tuple(dict.fromkeys(args.dtype))
+    return ("float32",) if args.quick else ("float32", "bfloat16")
+
+
 def bench(args: argparse.Namespace, baseline: dict | None) -> int:
-    """Sweep, print the table and the growth fits, write the report folder."""
+    """Sweep each dtype, print its table and growth fits, write its report folder (the
+    first dtype's in --out, the others' in --out/<dtype>)."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
+    dtypes = bench_dtypes(args)
     config = BenchConfig(
         lengths=tuple(args.lengths or (QUICK_LENGTHS if args.quick else BenchConfig.lengths)),
         batch=args.batch,
         heads=args.heads,
         kv_heads=args.kv_heads,
         head_dim=args.head_dim,
-        dtype=args.dtype,
+        dtype=dtypes[0],
         causal={"no": (False,), "yes": (True,), "both": (False, True)}[args.causal],
         passes=PASSES if args.pass_ == "both" else (args.pass_,),
         backends=tuple(args.backends or dispatch.registry()),
         device=args.device,
-        rounds=args.rounds if args.rounds is not None else (7 if args.quick else 5),
+        rounds=args.rounds if args.rounds is not None else (7 if args.quick else 3),
         threads=args.threads or torch.get_num_threads(),
         window=args.window,
         softcap=args.softcap,
@@ -155,16 +166,6 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     )
     console = Console(width=None if sys.stdout.isatty() else 160)  # CI logs: no wrapping
     sgemm = serving.sgemm_rate(config) / 1e9 if config.device == "cpu" else None
-    peak = serving.peak_rate(config.dtype, config.threads) if config.device == "cpu" else None
-    points_per_backend = len(config.lengths) * len(config.causal) * len(config.passes)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(
-            "benchmarking", total=2 * len(config.backends) * points_per_backend
-        )
-        points = run_sweep(config, lambda done: progress.update(task, advance=1, description=done))
-    report = build_report(
-        config, points, sgemm, peak and peak / 1e9, serving.peak_kind(config.dtype)
-    )
 
     def show(rows, title):
         table = Table(title=title)
@@ -174,6 +175,53 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
             table.add_row(*row)
         console.print(table)
 
+    points_per_dtype = (len(config.lengths) * len(config.causal) * len(config.passes)
+                        * 2 * len(config.backends))  # fmt: skip
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=points_per_dtype * len(dtypes))
+        sweeps = [run_sweep(replace(config, dtype=dtype),
+                            lambda done: progress.update(task, advance=1, description=done))
+                  for dtype in dtypes]  # fmt: skip
+    reports = []
+    for dtype, points in zip(dtypes, sweeps, strict=True):
+        dtype_config = replace(config, dtype=dtype)
+        peak = serving.peak_rate(dtype, config.threads) if config.device == "cpu" else None
+        report = build_report(dtype_config, points, sgemm, peak and peak / 1e9,
+                              serving.peak_kind(dtype))  # fmt: skip
+        show(table_rows(report), bench_title(dtype_config, report))
+        if left_out_note(report):
+            console.print(left_out_note(report), highlight=False)
+        show(fit_rows(report), f"growth in L ({dtype}): value ~ L^k")
+        reports.append(report)
+    console.print(FIT_NOTE, highlight=False)
+    if not (args.quick or args.no_beyond or config.describe_variant() or config.device != "cpu"):
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("beyond SDPA", total=None)
+            beyond = beyond_sdpa(
+                config, sgemm, lambda done: progress.update(task, description=done)
+            )
+        reports[0]["beyond_sdpa"] = beyond
+        show(table_rows(beyond["window"]), f"beyond SDPA: {beyond_title(beyond)}")
+        header, rows = decode_table([beyond["decode"]])
+        show([header, *rows], f"beyond SDPA: {decode_title(beyond)}")
+    for index, (dtype, report) in enumerate(zip(dtypes, reports, strict=True)):
+        folder = Path(args.out) if index == 0 else Path(args.out) / dtype
+        written = write_report(report, folder)
+        console.print("report: " + ", ".join(str(path) for path in written), highlight=False)
+    if baseline is not None:
+        compared = baseline["config"].get("dtype", "float32")
+        report = next((r for r in reports if r["config"]["dtype"] == compared), None)
+        warnings = (compare_to_baseline(report, baseline) if report is not None
+                    else [f"baseline not compared: it measured {compared}"])  # fmt: skip
+        for warning in warnings:
+            console.print(f"WARNING {warning}", style="yellow", highlight=False)
+        if not warnings:
+            console.print(f"no regression against {args.baseline} beyond measured noise")
+    return 0
+
+
+def bench_title(config: BenchConfig, report: dict) -> str:
+    """A sweep table's title: dtype, shape, threads, device, variant, sgemm and peak."""
     kv = f"/{config.kv_heads}" if config.kv_heads and config.kv_heads != config.heads else ""
     shape = f"B={config.batch}, H={config.heads}{kv}, E={config.head_dim}"
     cpu = report["machine_info"]
@@ -185,31 +233,7 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     title = f"attnperf bench: {config.dtype}, {shape}, {config.threads} threads, {device}"
     if config.describe_variant():
         title += f"; {config.describe_variant()}"
-    title += f"; sgemm {sgemm_text(report)}; peak {peak_text(report)}"
-    show(table_rows(report), title)
-    if left_out_note(report):
-        console.print(left_out_note(report), highlight=False)
-    show(fit_rows(report), "growth in L: value ~ L^k")
-    console.print(FIT_NOTE, highlight=False)
-    if not (args.quick or args.no_beyond or config.describe_variant() or config.device != "cpu"):
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("beyond SDPA", total=None)
-            beyond = beyond_sdpa(
-                config, sgemm, lambda done: progress.update(task, description=done)
-            )
-        report["beyond_sdpa"] = beyond
-        show(table_rows(beyond["window"]), f"beyond SDPA: {beyond_title(beyond)}")
-        header, rows = decode_table([beyond["decode"]])
-        show([header, *rows], f"beyond SDPA: {decode_title(beyond)}")
-    written = write_report(report, Path(args.out))
-    console.print("report: " + ", ".join(str(path) for path in written), highlight=False)
-    if baseline is not None:
-        warnings = compare_to_baseline(report, baseline)
-        for warning in warnings:
-            console.print(f"WARNING {warning}", style="yellow", highlight=False)
-        if not warnings:
-            console.print(f"no regression against {args.baseline} beyond measured noise")
-    return 0
+    return title + f"; sgemm {sgemm_text(report)}; peak {peak_text(report)}"
 
 
 def table_printers():
@@ -254,7 +278,7 @@ def bench_serving(args: argparse.Namespace) -> int:
         draft_tokens=args.draft_tokens,
         heads=args.heads,
         head_dim=args.head_dim,
-        dtype=args.dtype,
+        dtype=args.dtype[0] if args.dtype else defaults.dtype,
         rounds=args.rounds or defaults.rounds,
         threads=args.threads or torch.get_num_threads(),
     )
@@ -439,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quick", action="store_true",
                    help="L in 256..1024, 7 rounds, no 'beyond SDPA' section (for CI)")  # fmt: skip
     b.add_argument("--no-beyond", action="store_true",
-                   help="leave out the default sweep's 'beyond SDPA' section (~2 min): a "
+                   help="leave out the default sweep's 'beyond SDPA' section (~1 min): a "
                         "sliding window against FlexAttention, a decode step against SDPA's "
                         "two forms")  # fmt: skip
     b.add_argument("--decode", action="store_true",
@@ -464,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--heads", type=positive_int, default=8)
     b.add_argument("--kv-heads", type=positive_int, help="key/value heads, GQA (default: --heads)")
     b.add_argument("--head-dim", type=positive_int, default=64)
-    b.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    b.add_argument("--dtype", nargs="+", choices=["float32", "float16", "bfloat16"],
+                   help="the sweep's dtypes, a report each (default float32 bfloat16; "
+                        "--quick float32); --decode and --varlen take the first")  # fmt: skip
     b.add_argument("--causal", default="no", choices=["no", "yes", "both"])
     b.add_argument("--pass", dest="pass_", default="both",
                    choices=["forward", "forward+backward", "both"])  # fmt: skip
@@ -486,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--device", type=device_name, default="cpu")
     b.add_argument("--rounds", type=positive_int,
-                   help="timed rounds per point (default 5, quick 7)")  # fmt: skip
+                   help="timed rounds per point (default 3, quick 7)")  # fmt: skip
     b.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     b.add_argument("--out", default="bench-report", help="report folder")
     b.add_argument("--baseline", help="a report.json to compare with (warns, never fails)")

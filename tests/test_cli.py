@@ -1,5 +1,7 @@
 """The command line: `python -m attnperf` and the `attnperf` console script."""
 
+import argparse
+import json
 import os
 import subprocess
 import sys
@@ -8,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnperf import dispatch
+from attnperf import cli, dispatch
 
 SCRIPT = Path(sys.executable).parent / "attnperf"
 
@@ -89,3 +91,24 @@ def test_cuda_without_a_gpu_is_refused_clearly(command, tmp_path):
     result = run(sys.executable, "-m", "attnperf", command, "--device", "cuda", cwd=tmp_path)
     assert result.returncode == 2
     assert "no CUDA GPU is visible to torch here" in result.stderr
+
+
+def test_bench_sweeps_fp32_and_bf16_by_default_each_in_its_report(tmp_path):
+    result = run(sys.executable, "-m", "attnperf", "bench", "--backends", "sdpa", "--lengths",
+                 "32", "--pass", "forward", "--rounds", "1", "--no-beyond", "--out", "out",
+                 cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for folder, dtype in (("out", "float32"), ("out/bfloat16", "bfloat16")):
+        report = json.loads((tmp_path / folder / "report.json").read_text())
+        assert report["config"]["dtype"] == dtype
+        assert f"attnperf bench: {dtype}" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "dtype, quick, expected",
+    [(None, False, ("float32", "bfloat16")), (None, True, ("float32",)),
+     (["float16"], False, ("float16",)), (["bfloat16", "float32", "bfloat16"], True,
+                                           ("bfloat16", "float32"))],
+)  # fmt: skip
+def test_bench_dtypes_are_asked_or_fp32_and_bf16(dtype, quick, expected):
+    assert cli.bench_dtypes(argparse.Namespace(dtype=dtype, quick=quick)) == expected
