@@ -328,10 +328,11 @@ def kvcache_splits(inputs: KVCacheInputs, threads: int) -> int:
     return max(1, min(threads // math.gcd(items, threads), longest // MIN_SPLIT_KEYS))
 
 
-# Keys per tile of a KV-cache step: of 32 to 512, 96 was as fast as any (B = 1 and 4, S =
-# 16k and 64k, 32/8 heads, E = 128, 2 threads); every head's scores of the tile (8 x 4 x 96
-# floats) stay in L1.
-DECODE_BLOCK_N = 96
+# Keys per tile of a KV-cache step: of 32 to 512, 96 was as fast as any on a Zen 4 (B = 1
+# and 4, S = 16k and 64k, 32/8 heads, E = 128, 2 threads); on a Zen 5 192 ran 1.07-1.34x
+# faster than 96 at each of those points, fp32 and bf16 caches (256: slower than either;
+# 384: as 192). Every head's scores of the tile (8 x 4 x 192 floats) stay in L1.
+DECODE_BLOCK_N = 192
 # Below this many bytes of K and V per call, a step runs on the calling thread: at 2 MB
 # (S = 256, 8 kv heads, E = 128, fp32) both took 0.47-0.50 ms a call, at 4 MB the threads
 # 0.54 ms against 0.67 (numba's OpenMP layer, 2 threads).
