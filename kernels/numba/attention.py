@@ -55,8 +55,6 @@ BLOCK_N = 512
 # windows of 256 and 1024, L = 4096 (of 32/64/128 x 128/256/512).
 BANDED_BLOCK_M = 64
 BANDED_BACKWARD_BLOCK_N = 128
-# The forward runs on the threads wherever it has two query tiles to share: H = 2, L = 64
-# (2 MFLOP) took 23 us there against 35 us serially.
 # Query rows of a call's tiles where whole ones (BLOCK_M) leave a thread fewer than two.
 SHORT_CALL_BLOCK_M = 64
 
@@ -498,6 +496,8 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
             key_panels, value_pairs = packing_buffers(k, v, variant, kind)
             args = (q, k, v, key_panels, value_pairs, variant, inputs.scale, out_array,
                     stats_array, block_m, block_n)  # fmt: skip
+            # On the threads wherever there are two query tiles to share: H = 2, L = 64
+            # (2 MFLOP) took 23 us there against 35 us serially.
             if query_tiles(inputs, variant, block_m) < 2:
                 packed_forward_serial(*args)
             else:

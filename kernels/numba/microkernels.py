@@ -127,6 +127,12 @@ def _i32(value):
     return ir.Constant(ir.IntType(32), value)
 
 
+def _lanes_below(builder, count):
+    """A 16-lane mask of the lanes numbered below `count` (an i32)."""
+    lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), LANES), list(range(LANES)))
+    return builder.icmp_signed("<", lane_numbers, _splat(builder, count, lane_numbers.type))
+
+
 class _Emitter:
     """The IR of one micro-kernel: loads, the multiply-add step, masked stores."""
 
@@ -291,8 +297,7 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
 
         # The last vector's lanes: those below cols - 16 (nv - 1).
         count = builder.trunc(builder.sub(cols, constant(LANES * (vectors - 1))), _i32(0).type)
-        lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), LANES), list(range(LANES)))
-        mask = builder.icmp_signed("<", lane_numbers, _splat(builder, count, lane_numbers.type))
+        mask = _lanes_below(builder, count)
         emit = _Emitter(builder, kind_value, mask, has_bf16)
         zero = ir.Constant(emit.f32x16, None)
         a_step = builder.mul(a_depth_stride, constant(1 if kind_value == FP32 else 2))
@@ -488,9 +493,7 @@ def transpose_block(typingctx, src_view, rows, cols, dst_view):
         src, s_offset, s_stride = _operand(context, builder, signature.args[0], src_view)
         dst, d_offset, d_stride = _operand(context, builder, signature.args[3], dst_view)
         index_type = rows.type
-        lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), LANES), list(range(LANES)))
-        count = builder.trunc(cols, ir.IntType(32))
-        in_cols = builder.icmp_signed("<", lane_numbers, _splat(builder, count, lane_numbers.type))
+        in_cols = _lanes_below(builder, builder.trunc(cols, ir.IntType(32)))
         emit = _Emitter(builder, FP32, None, False)
         vectors = []
         for r in range(LANES):
