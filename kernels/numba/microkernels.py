@@ -484,6 +484,8 @@ def transpose_block(typingctx, src_view, rows, cols, dst_view):
     sig = types.void(src_view, types.intp, types.intp, dst_view)
     dtypes = src_view[0].dtype, dst_view[0].dtype
     served = dtypes in ((types.float32, types.float32), (types.uint16, types.uint16))
+    unit = 2 if dtypes[0] == types.uint16 else 1  # array elements per 32-bit element
+    in_quadrants = "avx512f" not in target_features()
 
     def codegen(context, builder, signature, args):
         if not served:  # on a side of an `if` never taken
@@ -492,6 +494,10 @@ def transpose_block(typingctx, src_view, rows, cols, dst_view):
         src_view, rows, cols, dst_view = args
         src, s_offset, s_stride = _operand(context, builder, signature.args[0], src_view)
         dst, d_offset, d_stride = _operand(context, builder, signature.args[3], dst_view)
+        if in_quadrants:
+            _transpose_quadrants(builder, (src, s_offset, s_stride), rows, cols,
+                                 (dst, d_offset, d_stride), unit)  # fmt: skip
+            return context.get_dummy_value()
         index_type = rows.type
         in_cols = _lanes_below(builder, builder.trunc(cols, ir.IntType(32)))
         emit = _Emitter(builder, FP32, None, False)
@@ -520,8 +526,64 @@ def transpose_block(typingctx, src_view, rows, cols, dst_view):
 
 
 def _shuffle(builder, a, b, lanes):
-    """Lane i of the result: lane lanes[i] of a, or of b for lanes[i] >= 16."""
-    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), LANES), lanes))
+    """Lane i of the result: lane lanes[i] of a, or of b for lanes[i] >= len(lanes)."""
+    return builder.shuffle_vector(
+        a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes)
+    )
+
+
+def _transpose_quadrants(builder, src_view, rows, cols, dst_view, unit):
+    """`transpose_block` without AVX-512: four 8 x 8 transposes of 8-lane vectors. Their
+    shuffles are AVX2's unpack, shufps and vperm2f128 (24 per 64 elements), where the
+    16-lane perfect shuffle lowered to ~2.7 permutes and blends per element (Zen 3)."""
+    (src, s_offset, s_stride), (dst, d_offset, d_stride) = src_view, dst_view
+    index_type = rows.type
+    f32x8 = ir.VectorType(ir.FloatType(), 8)
+    lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), 8), list(range(8)))
+    cols32 = builder.trunc(cols, ir.IntType(32))
+    emit = _Emitter(builder, FP32, None, False)
+
+    def at(base, *terms):
+        for index, stride in terms:
+            base = builder.add(base, builder.mul(ir.Constant(index_type, index), stride))
+        return base
+
+    one = ir.Constant(index_type, 1)
+    for c0 in (0, 8):
+        left = _splat(builder, builder.sub(cols32, _i32(c0)), lane_numbers.type)
+        in_cols = builder.icmp_signed("<", lane_numbers, left)
+        for r0 in (0, 8):
+            vectors = []
+            for r in range(r0, r0 + 8):
+                present = builder.icmp_signed("<", ir.Constant(index_type, r), rows)
+                emit.mask = builder.and_(in_cols, _splat(builder, present, in_cols.type))
+                where = at(s_offset, (r, s_stride), (c0 * unit, one))
+                vectors.append(emit.load(builder.gep(src, [where]), f32x8, True))
+            for c, vector in enumerate(_transpose_8x8(builder, vectors)):
+                inside = builder.icmp_signed("<", ir.Constant(index_type, c0 + c), cols)
+                with builder.if_then(inside):
+                    where = at(d_offset, (c0 + c, d_stride), (r0 * unit, one))
+                    emit.store(vector, builder.gep(dst, [where]), False)
+
+
+def _transpose_8x8(builder, rows):
+    """The columns of 8 rows of 8 lanes: pairs of rows interleaved (unpcklps, unpckhps),
+    then pairs of those (shufps), then the 128-bit halves exchanged (vperm2f128)."""
+    pairs = []
+    for a, b in zip(rows[0::2], rows[1::2], strict=True):
+        pairs += [_shuffle(builder, a, b, [0, 8, 1, 9, 4, 12, 5, 13]),
+                  _shuffle(builder, a, b, [2, 10, 3, 11, 6, 14, 7, 15])]  # fmt: skip
+    quads = []
+    for first in (0, 4):  # rows 0-3, then rows 4-7
+        low_a, high_a, low_b, high_b = pairs[first : first + 4]
+        for a, b in ((low_a, low_b), (high_a, high_b)):
+            quads += [_shuffle(builder, a, b, [0, 1, 8, 9, 4, 5, 12, 13]),
+                      _shuffle(builder, a, b, [2, 3, 10, 11, 6, 7, 14, 15])]  # fmt: skip
+    first_halves = [0, 1, 2, 3, 8, 9, 10, 11]
+    second_halves = [4, 5, 6, 7, 12, 13, 14, 15]
+    return [_shuffle(builder, quads[c], quads[c + 4], first_halves) for c in range(4)] + [
+        _shuffle(builder, quads[c], quads[c + 4], second_halves) for c in range(4)
+    ]
 
 
 @njit(fastmath=FASTMATH)
