@@ -477,10 +477,11 @@ def to_bf16(typingctx, x):
 def transpose_block(typingctx, src_view, rows, cols, dst_view):
     """dst[d_offset + c d_stride + r] = src[s_offset + r s_stride + c] for r < 16 and c <
     cols <= 16, zeros for r >= rows: a 16 x 16 block of 32-bit elements transposed in
-    registers (16 masked loads, four rounds of the perfect shuffle, 16 stores); float32,
-    or pairs of bf16 (uint16 arrays: element i is the pair at 2 i, offsets and strides
-    count uint16). Views: src_view (src, offset, row_stride), dst_view (dst, offset,
-    row_stride); rows past `rows` are never read. Other dtypes trap."""
+    registers (with AVX-512 16 masked loads, four rounds of the perfect shuffle and 16
+    stores; without, `_transpose_quadrants`); float32, or pairs of bf16 (uint16 arrays:
+    element i is the pair at 2 i, offsets and strides count uint16). Views: src_view
+    (src, offset, row_stride), dst_view (dst, offset, row_stride); rows past `rows` are
+    never read. Other dtypes trap."""
     sig = types.void(src_view, types.intp, types.intp, dst_view)
     dtypes = src_view[0].dtype, dst_view[0].dtype
     served = dtypes in ((types.float32, types.float32), (types.uint16, types.uint16))
