@@ -127,9 +127,9 @@ def _i32(value):
     return ir.Constant(ir.IntType(32), value)
 
 
-def _lanes_below(builder, count):
-    """A 16-lane mask of the lanes numbered below `count` (an i32)."""
-    lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), LANES), list(range(LANES)))
+def _lanes_below(builder, count, lanes=LANES):
+    """A mask of `lanes` lanes: those numbered below `count` (an i32)."""
+    lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), lanes), list(range(lanes)))
     return builder.icmp_signed("<", lane_numbers, _splat(builder, count, lane_numbers.type))
 
 
@@ -540,30 +540,27 @@ def _transpose_quadrants(builder, src_view, rows, cols, dst_view, unit):
     (src, s_offset, s_stride), (dst, d_offset, d_stride) = src_view, dst_view
     index_type = rows.type
     f32x8 = ir.VectorType(ir.FloatType(), 8)
-    lane_numbers = ir.Constant(ir.VectorType(ir.IntType(32), 8), list(range(8)))
     cols32 = builder.trunc(cols, ir.IntType(32))
     emit = _Emitter(builder, FP32, None, False)
 
-    def at(base, *terms):
-        for index, stride in terms:
-            base = builder.add(base, builder.mul(ir.Constant(index_type, index), stride))
-        return base
+    def at(base, shift, index, stride):
+        """base + shift + index * stride (shift and index Python ints)."""
+        offset = builder.mul(ir.Constant(index_type, index), stride)
+        return builder.add(builder.add(base, ir.Constant(index_type, shift)), offset)
 
-    one = ir.Constant(index_type, 1)
     for c0 in (0, 8):
-        left = _splat(builder, builder.sub(cols32, _i32(c0)), lane_numbers.type)
-        in_cols = builder.icmp_signed("<", lane_numbers, left)
+        in_cols = _lanes_below(builder, builder.sub(cols32, _i32(c0)), 8)
         for r0 in (0, 8):
             vectors = []
             for r in range(r0, r0 + 8):
                 present = builder.icmp_signed("<", ir.Constant(index_type, r), rows)
                 emit.mask = builder.and_(in_cols, _splat(builder, present, in_cols.type))
-                where = at(s_offset, (r, s_stride), (c0 * unit, one))
+                where = at(s_offset, c0 * unit, r, s_stride)
                 vectors.append(emit.load(builder.gep(src, [where]), f32x8, True))
             for c, vector in enumerate(_transpose_8x8(builder, vectors)):
                 inside = builder.icmp_signed("<", ir.Constant(index_type, c0 + c), cols)
                 with builder.if_then(inside):
-                    where = at(d_offset, (c0 + c, d_stride), (r0 * unit, one))
+                    where = at(d_offset, r0 * unit, c0 + c, d_stride)
                     emit.store(vector, builder.gep(dst, [where]), False)
 
 
