@@ -17,12 +17,15 @@ from attnperf.testing import assert_agrees, float64_reference, same_precision_re
 
 CHUNK = 8  # tokens per zigzag chunk: L = 2 W CHUNK
 TIMEOUT_S = 300
+FAILED_PEERS_S = 30
 
 
 def run_ranks(world: int, target: str, tmp_path) -> list:
     """Run `target(rank, world)` (a function of this module) on `world` spawned ranks of a
-    gloo group; its return values by rank. A rank's exception fails the test with its
-    traceback; every process is gone when this returns, whatever happened."""
+    gloo group; its return values by rank. A rank's exception fails the test with the
+    tracebacks of every rank that failed (a rank that raises can break its peers' collectives,
+    and theirs may arrive first); every process is gone when this returns, whatever
+    happened."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
@@ -31,15 +34,19 @@ def run_ranks(world: int, target: str, tmp_path) -> list:
     for process in ranks:
         process.start()
     try:
-        answers = {}
-        for _ in range(world):
+        answers, errors = {}, {}
+        while len(answers) + len(errors) < world:
             try:
-                rank, status, value = results.get(timeout=TIMEOUT_S)
+                # After a failure the others get a short while to report theirs.
+                rank, status, value = results.get(timeout=FAILED_PEERS_S if errors else TIMEOUT_S)
             except queue.Empty:
+                if errors:
+                    break
                 pytest.fail(f"{target}: no answer from every rank within {TIMEOUT_S} s")
-            if status != "ok":
-                pytest.fail(f"{target} failed on rank {rank}:\n{value}")
-            answers[rank] = value
+            (answers if status == "ok" else errors)[rank] = value
+        if errors:
+            pytest.fail("\n".join(f"{target} failed on rank {rank}:\n{value}"
+                                  for rank, value in sorted(errors.items())))  # fmt: skip
         return [answers[rank] for rank in range(world)]
     finally:
         for process in ranks:
