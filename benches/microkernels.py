@@ -11,6 +11,10 @@ Products, a 128-row query tile against a 512-key tile as the forward walks them:
 - dS^T Q: dk (512, E) += dS^T @ Q, A read transposed;
 - QK^T by gemm_fp32 with a transposed B, packed per call (the backward's scores).
 
+And a decode step's products, a GQA group of 4 query rows against a tile of 192 keys, as
+`micro_kernel_tile` walks them: the scores by `scores_by_dots` on key rows as they lie, and
+acc += P V in chunks of 16 keys on values as they lie (a bf16 cache's widened).
+
 Then the fp32 forward's tile step by step, each alone: QK^T, the online softmax on the
 score tile (row max, exp2, sums, the accumulator rescaled: each row's max rising by 0.5
 as in a later key tile), PV; and each one's share of the tile.
@@ -33,11 +37,13 @@ from attnperf.kernels.numba.microkernels import (
     pack_key_panels,
     pack_vnni,
     peak_flops,
+    scores_by_dots,
     tile_product,
 )
 from attnperf.machine import cpu_description
 
 ROWS, KEYS = 128, 512
+DECODE_ROWS, DECODE_KEYS, CHUNK = 4, 192, 16
 
 
 @njit()
@@ -66,6 +72,33 @@ def repeat_softmax(reps, scores, start, s, acc, row_max, row_sum, shift):
 def repeat_copy(reps, scores, s):
     for _ in range(reps):
         s[:] = scores
+
+
+@njit()
+def repeat_scores(reps, depth, q_view, k_view, s_view, rows, keys):
+    k, k_offset, k_stride = k_view
+    s, s_offset, s_stride = s_view
+    for _ in range(reps):
+        for c in range(0, keys, CHUNK):
+            scores_by_dots(depth, np.float32(1.0), q_view, (k, k_offset + c * k_stride, k_stride),
+                           (s, s_offset + c, s_stride), rows, min(CHUNK, keys - c))  # fmt: skip
+
+
+@njit()
+def repeat_chunked_product(reps, p_view, v_view, acc_view, rows, keys, cols):
+    p, p_offset, p_stride, p_depth_stride = p_view
+    v, v_offset, v_stride, v_vector_stride = v_view
+    for _ in range(reps):
+        for c in range(0, keys, CHUNK):
+            tile_product(min(CHUNK, keys - c), np.float32(1.0), np.float32(1.0),
+                         (p, p_offset + c, p_stride, p_depth_stride),
+                         (v, v_offset + c * v_stride, v_stride, v_vector_stride), acc_view,
+                         rows, cols)  # fmt: skip
+
+
+def repeated(kernel, *args):
+    """run(n): kernel(n, *args), n repetitions."""
+    return lambda reps: kernel(reps, *args)
 
 
 def median_seconds(run, reps, rounds):
@@ -131,6 +164,38 @@ def products(dim, rounds):
     return rows
 
 
+def decode_products(dim, rounds):
+    """(name, dtype, FLOPs, ours s, torch.mm s) of a decode step's two products, fp32 and
+    bf16."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, p = (torch.randn(*shape, generator=gen) for shape in
+                  ((DECODE_ROWS, dim), (DECODE_KEYS, dim), (DECODE_KEYS, dim),
+                   (DECODE_ROWS, DECODE_KEYS)))  # fmt: skip
+    flops = 2 * DECODE_ROWS * DECODE_KEYS * dim
+    reps = max(1, int(5e8 / flops))
+    scores = np.zeros((DECODE_ROWS, DECODE_KEYS), np.float32)
+    acc = np.zeros((DECODE_ROWS, dim), np.float32)
+    rows = []
+
+    def torch_mm(a, b):
+        return median_seconds(lambda n: [torch.mm(a, b) for _ in range(n)], reps, rounds)
+
+    for dtype, pair in (("fp32", 1), ("bf16", 2)):
+        low = (lambda t: t) if pair == 1 else (lambda t: t.bfloat16())
+        q_in, k_in, v_in = (t.numpy() if pair == 1 else bits(low(t)) for t in (q, k, v))
+        score_args = (dim // pair, (q_in, 0, dim), (k_in, 0, dim), (scores, 0, DECODE_KEYS),
+                      DECODE_ROWS, DECODE_KEYS)  # fmt: skip
+        qk = median_seconds(repeated(repeat_scores, *score_args), reps, rounds)
+        rows.append((f"decode QK^T ({DECODE_ROWS} rows, scores_by_dots)", dtype, flops, qk,
+                     torch_mm(low(q), low(k).T)))  # fmt: skip
+        value_args = ((p.numpy(), 0, DECODE_KEYS, 1), (v_in, 0, dim, 16), (acc, 0, dim),
+                      DECODE_ROWS, DECODE_KEYS, dim)  # fmt: skip
+        pv = median_seconds(repeated(repeat_chunked_product, *value_args), reps, rounds)
+        name = "decode PV (16-key chunks" + (")" if pair == 1 else ", V widened)")
+        rows.append((name, dtype, flops, pv, torch_mm(low(p), low(v))))
+    return rows
+
+
 def forward_tile(dim, rounds):
     """Seconds of the fp32 forward's tile steps alone: {"QK^T", "online softmax", "PV"}."""
     gen = torch.Generator().manual_seed(0)
@@ -171,7 +236,9 @@ def main():
     print("| " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|---|---|")
     for dim in args.head_dims:
-        for name, dtype, flops, ours, theirs in products(dim, args.rounds):
+        for name, dtype, flops, ours, theirs in products(dim, args.rounds) + decode_products(
+            dim, args.rounds
+        ):
             peak = peaks[dtype] or peaks["fp32"]
             print(f"| {dim} | {name} | {dtype} | {flops / ours / 1e9:.0f} | "
                   f"{flops / ours / peak:.0%} | {flops / theirs / 1e9:.0f} | "

@@ -2,6 +2,7 @@
 sequence's cached keys (float64 and same precision): contiguous and paged caches, split-K,
 GQA packing, in-place append, and bad inputs that must leave the cache untouched."""
 
+import dataclasses
 import re
 
 import pytest
@@ -127,8 +128,9 @@ def kvcache_params(dtypes):
 
 @pytest.mark.parametrize("backend, preset, dtype", kvcache_params((torch.float32, torch.bfloat16)))
 def test_kvcache_equals_attention_over_the_cached_keys(backend, preset, dtype):
-    """Contiguous, head-major and paged caches, each agreeing with the reference, and with
-    each other."""
+    """Contiguous, head-major and paged caches, each agreeing with the reference; paged and
+    contiguous ones (the same walk) with each other too. numba runs head-major pages on
+    other kernels (`decode_kind`): the rule above holds them."""
     call = cache_call(dtype, device_for(backend), **PRESETS[preset])
     exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
     results = {"contiguous": run(backend, call), "paged": run(backend, paged(call)),
@@ -140,7 +142,6 @@ def test_kvcache_equals_attention_over_the_cached_keys(backend, preset, dtype):
             assert lse.shape == (len(CACHED), HEADS, call["q"].shape[1])
             assert_agrees(lse, exact[1], baseline[1], what=f"{layout} lse")
     torch.testing.assert_close(results["paged"][0], results["contiguous"][0])
-    torch.testing.assert_close(results["head_major"][0], results["contiguous"][0])
     for index in (2, 3):  # the appended caches, written in the caller's strides
         torch.testing.assert_close(results["head_major"][index], results["contiguous"][index])
 
@@ -311,6 +312,78 @@ def test_numba_decode_any_rows_per_group_any_keys_per_tile(q_heads, q_len):
         out, lse, _, _ = run(numba, layout)
         assert_agrees(out, exact[0], baseline[0])
         assert_agrees(lse, exact[1], baseline[1], what="lse")
+
+
+STEP_KINDS = [
+    (torch.float32, numba_kvcache.FP32, (1, 40, 59, 100)),
+    (torch.float32, numba_kvcache.LOOPS, (40,)),
+    (torch.bfloat16, numba_kvcache.BF16, (2, 40, 100)),
+    (torch.bfloat16, numba_kvcache.LOOPS, (40, 59)),
+]
+
+
+@pytest.mark.parametrize("dtype, kind, head_dims", STEP_KINDS, ids=lambda x: str(x))
+def test_numba_decode_every_step_kind_keeps_the_2x_rule(dtype, kind, head_dims, monkeypatch):
+    """Each way a step runs, forced whatever this CPU would choose: the micro-kernels (fp32,
+    or bf16 dot products where the CPU has them and two FMAs where not) and the per-key
+    loops, at head dims off the vector width, both cache layouts, GQA rows of 3."""
+    monkeypatch.setattr(numba_kvcache, "decode_kind", lambda inputs, head_major: kind)
+    numba = dispatch.registry()["numba"]
+    for head_dim in head_dims:
+        gen = torch.Generator().manual_seed(head_dim)
+        cached = (0, 6, 37, 90)
+        batch = len(cached)
+
+        def tensor(*shape):
+            return torch.randn(*shape, generator=gen).to(dtype)  # noqa: B023
+
+        call = {
+            "q": tensor(batch, 3, 6, head_dim),
+            "k_cache": tensor(batch, S_MAX, KV_HEADS, head_dim),
+            "v_cache": tensor(batch, S_MAX, KV_HEADS, head_dim),
+            "cache_seqlens": torch.tensor(cached, dtype=torch.int32),
+            "k_new": tensor(batch, 3, KV_HEADS, head_dim),
+            "v_new": tensor(batch, 3, KV_HEADS, head_dim),
+        }
+        exact = expected(float64_reference, call)
+        baseline = expected(same_precision_reference, call)
+        for layout in (call, head_major(call)):
+            out, lse, _, _ = run(numba, layout)
+            assert_agrees(out, exact[0], baseline[0])
+            assert_agrees(lse, exact[1], baseline[1], what="lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_numba_decode_at_realistic_size_keeps_the_2x_rule(dtype, monkeypatch):
+    """One token over 4096 cached keys, Llama's head dim and a GQA group of 4, in the
+    step's real tiles (192 keys), whichever kind this CPU runs."""
+    monkeypatch.setattr(numba_kvcache, "DECODE_BLOCK_N", 192)
+    gen = torch.Generator().manual_seed(11)
+    cached = 4096
+
+    def tensor(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    call = {
+        "q": tensor(2, 1, 8, 128),
+        "k_cache": tensor(2, cached, 2, 128),
+        "v_cache": tensor(2, cached, 2, 128),
+        "cache_seqlens": torch.tensor((cached, cached - 1000), dtype=torch.int32),
+        "k_new": None,
+        "v_new": None,
+    }
+    exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
+    out, lse, _, _ = run(dispatch.registry()["numba"], call)
+    assert_agrees(out, exact[0], baseline[0])
+    assert_agrees(lse, exact[1], baseline[1], what="lse")
+
+
+def test_decode_kind_reads_bf16_pairs_only_at_even_head_dims():
+    """A bf16 cache of odd E would make the dot products read a pair past each row's end:
+    it runs on the loops."""
+    even = prepare_kvcache(**cache_call(torch.bfloat16, new=0))
+    odd = dataclasses.replace(even, query=even.query[..., :15])
+    assert numba_kvcache.decode_kind(odd, head_major=False) == numba_kvcache.LOOPS
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

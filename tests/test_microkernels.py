@@ -20,6 +20,7 @@ from attnperf.kernels.numba.microkernels import (
     gemm_fp32,
     pack_key_panels,
     pack_vnni,
+    scores_by_dots,
     tile_product,
 )
 
@@ -89,6 +90,50 @@ def test_bf16_products_match_float64():
                 bound = 1e-6 * depth * (a.double().abs() @ b.double().abs()) + 1e-30
                 error = (torch.from_numpy(out).double() - exact).abs()
                 assert bool((error <= bound).all()), (rows, cols, depth)
+
+
+def test_widened_bf16_products_match_float64():
+    """fp32 A against a bf16 B as it lies (a cache's values, row-major), widened in
+    registers: exact products, fp32 accumulation."""
+    gen = torch.Generator().manual_seed(2)
+    for rows in ROWS:
+        for cols in COLS:
+            for depth in DEPTHS:
+                a = torch.randn(rows, depth, generator=gen)
+                b = torch.randn(depth, cols, generator=gen).bfloat16()
+                out = np.zeros((rows, cols), np.float32)
+                a_view, b_view = (a.numpy(), 0, depth, 1), (bits(b), 0, cols, 16)
+                product_into(depth, a_view, b_view, (out, 0, cols), rows, cols)
+                exact = a.double() @ b.double()
+                bound = 1e-6 * (depth + 1) * (a.double().abs() @ b.double().abs()) + 1e-30
+                error = (torch.from_numpy(out).double() - exact).abs()
+                assert bool((error <= bound).all()), (rows, cols, depth)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_by_dots_match_float64_and_stay_in_their_keys(dtype):
+    """Query rows against key rows as they lie, every block shape (4 x 4, 2 x 8, 1 x 16)
+    and remainder: rows 1-9, keys 1-16, E = 1, 40, 59, 100, 256 (bf16: even E, in pairs).
+    Key rows past `keys` hold NaN and must never be read; columns past them stay as they
+    were."""
+    gen = torch.Generator().manual_seed(3)
+    dims = (1, 40, 59, 100, 256) if dtype == torch.float32 else (2, 40, 100, 256)
+    for dim in dims:
+        for rows in (1, 2, 3, 4, 5, 7, 9):
+            for keys in (1, 3, 4, 9, 16):
+                q = torch.randn(rows, dim, generator=gen).to(dtype)
+                k = torch.randn(keys + 3, dim, generator=gen).to(dtype)
+                k[keys:] = float("nan")
+                arrays = (q.numpy(), k.numpy()) if dtype == torch.float32 else (bits(q), bits(k))
+                s = np.full((rows, 20), -7.0, np.float32)
+                depth = dim if dtype == torch.float32 else dim // 2
+                scores_by_dots(depth, np.float32(0.5), (arrays[0], 0, dim), (arrays[1], 0, dim),
+                               (s, 0, 20), rows, keys)  # fmt: skip
+                exact = 0.5 * q.double() @ k[:keys].double().T
+                bound = 1e-6 * (dim + 1) * (q.double().abs() @ k[:keys].double().abs().T)
+                error = (torch.from_numpy(s[:, :keys]).double() - exact).abs()
+                assert bool((error <= bound + 1e-30).all()), (dim, rows, keys)
+                assert np.all(s[:, keys:] == -7.0), (dim, rows, keys)
 
 
 def product_into(depth, a_view, b_view, c_view, rows, cols):

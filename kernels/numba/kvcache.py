@@ -18,6 +18,15 @@ from attnperf.kernels.numba.launch import (
     float32_array,
     run_parallel,
 )
+from attnperf.kernels.numba.microkernels import (
+    BF16,
+    FP32,
+    LANES,
+    scores_by_dots,
+    tile_product,
+    tile_route,
+    to_bf16,
+)
 from attnperf.kernels.numba.variant import (
     key_range,
     lower_variant,
@@ -173,38 +182,112 @@ def quantized_values(p, codes, scales, first_row, cols, acc):
             quantized_value_update(p[h], j, values[h], value_scales[h], acc[h])
 
 
+LOOPS = -1  # a step's kind where no micro-kernel serves it: the per-key loops above
+
+
+@njit(fastmath=FASTMATH)
+def tile_softmax(s, hk, q_len, cols, variant, b, j0, structure, acc, row_max, row_sum, shift):
+    """The online softmax's step over one key tile for kv head hk's rows, s[hk] (its
+    group's query heads, q_len rows each): masks and variant, then P in place."""
+    no_dtanh = np.empty((0, 0), np.float32)
+    rows = s.shape[1]
+    for g in range(rows // q_len):
+        modify_scores(s[hk, g * q_len : (g + 1) * q_len], variant, b, hk * (rows // q_len) + g,
+                      0, j0, q_len, cols, structure, no_dtanh)  # fmt: skip
+    online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk], row_sum[hk], shift[hk])
+
+
+@njit(fastmath=FASTMATH)
+def round_to_bf16(s, rows, cols):
+    """s[:rows, :cols] <- P rounded to bf16 and widened back (FlashAttention's practice
+    before P V: the products of the widened values are then those of bf16 tiles)."""
+    for r in range(rows):
+        row = s[r]
+        for c in range(cols):
+            row[c] = widen(to_bf16(row[c]))
+
+
+@njit()
+def memory_order(item, chunks, heads, head_major):
+    """(first key, head) of the item-th (16-key chunk, head) of a tile, in the order its
+    cache lies in memory: chunk by chunk across the heads of row-major pages, head by head
+    along the rows of head-major ones."""
+    if head_major:
+        return item % chunks * LANES, item // chunks
+    return item // heads * LANES, item % heads
+
+
+@njit()
+def page_offsets(pages, head_major, page, first_row):
+    """(offset of head 0's row first_row of pages[page], offset between heads, between
+    rows), counting elements of `pages` (see kvcache_split for the two layouts)."""
+    strides = (pages.strides[0] // pages.itemsize, pages.strides[1] // pages.itemsize,
+               pages.strides[2] // pages.itemsize)  # fmt: skip
+    head, row = (strides[1], strides[2]) if head_major else (strides[2], strides[1])
+    return page * strides[0] + first_row * row, head, row
+
+
+@njit(fastmath=FASTMATH)
+def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, cols, variant, b,
+                      q_len, j0, structure, scale2, s, acc, row_max, row_sum,
+                      shift):  # fmt: skip
+    """One key tile of every kv head on the micro-kernels, the group's query rows (q_rows
+    (Hk, rows, E), fp32, or bf16 bits for a bf16 cache) as the rows of each product:
+    S = Q K^T by `scores_by_dots` on the keys as they lie, the online softmax, then acc += P V
+    with the values read in place (bf16 ones widened in registers, P rounded to bf16 first).
+    Both products walk (16-key chunk, head) pairs in the order the page lies in memory
+    (`memory_order`)."""
+    kv_heads, rows, width = s.shape
+    value_dim = acc.shape[2]
+    bf16 = k_pages.itemsize == 2  # bf16 bits (fp16 caches come converted to fp32)
+    depth = q_rows.shape[2] // 2 if bf16 else q_rows.shape[2]
+    k_at, k_head, k_row = page_offsets(k_pages, head_major, page, first_row)
+    v_at, v_head, v_row = page_offsets(v_pages, head_major, page, first_row)
+    chunks = (cols + LANES - 1) // LANES
+    for item in range(chunks * kv_heads):
+        c, hk = memory_order(item, chunks, kv_heads, head_major)
+        q_view = (q_rows, hk * rows * q_rows.shape[2], q_rows.shape[2])
+        k_view = (k_pages, k_at + hk * k_head + c * k_row, k_row)
+        s_view = (s, hk * rows * width + c, width)
+        scores_by_dots(depth, scale2, q_view, k_view, s_view, rows, min(LANES, cols - c))
+    for hk in range(kv_heads):
+        tile_softmax(s, hk, q_len, cols, variant, b, j0, structure, acc, row_max, row_sum,
+                     shift)  # fmt: skip
+        if bf16:
+            round_to_bf16(s[hk], rows, cols)
+    for item in range(chunks * kv_heads):
+        c, hk = memory_order(item, chunks, kv_heads, head_major)
+        p_view = (s, hk * rows * width + c, width, 1)
+        v_view = (v_pages, v_at + hk * v_head + c * v_row, v_row, LANES)
+        acc_view = (acc, hk * rows * value_dim, value_dim)
+        tile_product(min(LANES, cols - c), 1.0, 1.0, p_view, v_view, acc_view, rows, value_dim)
+
+
 @njit(fastmath=FASTMATH)
 def kvcache_split(
-    q, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale, block_n,
-    partial_out, partial_stats, b, split,
+    q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
+    block_n, kind, partial_out, partial_stats, b, split,
 ):  # fmt: skip
-    """Split `split` of sequence b: split-K attention of q (B, Hq, Lq, E) over a paged KV
-    cache (pages (P, page_size, H, E), or `head_major` (P, H, page_size, E), transformers'
-    layout; block_table (B, pages)) for the s-th of equal chunks of the keys its rows see,
-    into partial_out[split] (B, Hq, Lq, Ev), unnormalised, and partial_stats[split] (B, Hq,
-    Lq, 2), each row's base-2 max and sum. An int8 cache's pages hold codes, with k_scales,
-    v_scales (P, page_size, H, groups) beside them (empty for a float cache).
+    """Split `split` of sequence b: split-K attention of its query rows over a paged KV cache
+    (pages (P, page_size, H, E), or `head_major` (P, H, page_size, E), transformers' layout;
+    block_table (B, pages)) for the s-th of equal chunks of the keys its rows see, into
+    partial_out[split] (B, Hq, Lq, Ev), unnormalised, and partial_stats[split] (B, Hq, Lq,
+    2), each row's base-2 max and sum. q_rows (B, H, group Lq, E): each kv head's group of
+    query heads as its rows (FlashAttention's "pack GQA": K and V are read once), fp32, or
+    bf16 bits for kind BF16. An int8 cache's pages hold codes, with k_scales, v_scales (P,
+    page_size, H, groups) beside them (empty for a float cache).
 
-    It walks its keys in tiles, in memory order (see cached_scores; a head at a time over
-    (rows, H, E) pages, its rows a page apart, defeats the prefetchers). The query rows of a
-    key/value head's group go through its keys together (FlashAttention's "pack GQA"): K and
-    V are read once.
+    It walks its keys in tiles, in memory order (a head at a time over (rows, H, E) pages,
+    its rows a page apart, defeats the prefetchers): on the micro-kernels (kind FP32 or
+    BF16, see micro_kernel_tile), or in per-key loops (LOOPS, see decode_kind).
     """
-    splits = partial_out.shape[0]
-    q_heads, q_len, head_dim = q.shape[1:]
-    page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
-    if head_major:
-        page_size, kv_heads = kv_heads, page_size
-    value_dim = v_pages.shape[3]
+    splits, _, q_heads, q_len, value_dim = partial_out.shape
+    kv_heads, rows = q_rows.shape[1], q_rows.shape[2]
+    page_size = k_pages.shape[2] if head_major else k_pages.shape[1]
     group = q_heads // kv_heads
-    rows = group * q_len
-    scale2 = scale * LOG2E
-    no_dtanh = np.empty((0, 0), np.float32)
+    scale2 = np.float32(scale * LOG2E)
     slot = variant[4][b, 0]  # the sequence's batch entry: rows may be reordered
-    q_rows = np.empty((kv_heads, rows, head_dim), np.float32)
-    for hk in range(kv_heads):
-        for g in range(group):
-            q_rows[hk, g * q_len : (g + 1) * q_len] = q[slot, hk * group + g]
+    queries = q_rows[slot]
     s = np.empty((kv_heads, rows, block_n), np.float32)
     acc = np.zeros((kv_heads, rows, value_dim), np.float32)
     row_max = np.full((kv_heads, rows), -np.inf, np.float32)
@@ -223,19 +306,20 @@ def kvcache_split(
         for j0 in range(k_first, k_end, block_n):
             cols = min(block_n, k_end - j0)
             first_row = k_start + j0 - page_start
+            structure = tile_structure(variant, b, 0, 0, q_len, j0, cols)
+            if kind != LOOPS:
+                micro_kernel_tile(queries, k_pages, v_pages, head_major, page, first_row, cols,
+                                  variant, b, q_len, j0, structure, scale2, s, acc, row_max,
+                                  row_sum, shift)  # fmt: skip
+                continue
             if k_scales.shape[0]:
-                quantized_scores(q_rows, k_pages[page], k_scales[page], first_row, cols, s,
+                quantized_scores(queries, k_pages[page], k_scales[page], first_row, cols, s,
                                  scale2)  # fmt: skip
             else:
-                cached_scores(q_rows, k_pages[page], head_major, first_row, cols, s, scale2)
-            structure = tile_structure(variant, b, 0, 0, q_len, j0, cols)
+                cached_scores(queries, k_pages[page], head_major, first_row, cols, s, scale2)
             for hk in range(kv_heads):
-                for g in range(group):
-                    head_rows = s[hk, g * q_len : (g + 1) * q_len]
-                    modify_scores(head_rows, variant, b, hk * group + g, 0, j0, q_len, cols,
-                                  structure, no_dtanh)  # fmt: skip
-                online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk],
-                                       row_sum[hk], shift[hk])  # fmt: skip
+                tile_softmax(s, hk, q_len, cols, variant, b, j0, structure, acc, row_max,
+                             row_sum, shift)  # fmt: skip
             if v_scales.shape[0]:
                 quantized_values(s, v_pages[page], v_scales[page], first_row, cols, acc)
             else:
@@ -252,32 +336,32 @@ def kvcache_split(
 
 @njit(parallel=True, fastmath=FASTMATH)
 def kvcache_forward_splits(
-    q, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale, block_n,
-    partial_out, partial_stats,
+    q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
+    block_n, kind, partial_out, partial_stats,
 ):  # fmt: skip
     """Every (sequence, split) of kvcache_split, in parallel."""
     splits = partial_out.shape[0]
-    for item in prange(q.shape[0] * splits):
+    for item in prange(q_rows.shape[0] * splits):
         b, _, split = split_index(item, 1, splits)
         kvcache_split(
-            q, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
-            block_n, partial_out, partial_stats, b, split,
+            q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant,
+            scale, block_n, kind, partial_out, partial_stats, b, split,
         )  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
 def kvcache_forward_serial(
-    q, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale, block_n,
-    partial_out, partial_stats,
+    q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
+    block_n, kind, partial_out, partial_stats,
 ):  # fmt: skip
     """Every (sequence, split) of kvcache_split on the calling thread: for steps too small
     to pay for waking numba's threads (see PARALLEL_MIN_BYTES)."""
     splits = partial_out.shape[0]
-    for item in range(q.shape[0] * splits):
+    for item in range(q_rows.shape[0] * splits):
         b, _, split = split_index(item, 1, splits)
         kvcache_split(
-            q, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
-            block_n, partial_out, partial_stats, b, split,
+            q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant,
+            scale, block_n, kind, partial_out, partial_stats, b, split,
         )  # fmt: skip
 
 
@@ -331,7 +415,8 @@ def kvcache_splits(inputs: KVCacheInputs, threads: int) -> int:
 # Keys per tile of a KV-cache step: of 32 to 512, 96 was as fast as any on a Zen 4 (B = 1
 # and 4, S = 16k and 64k, 32/8 heads, E = 128, 2 threads); on a Zen 5 192 ran 1.07-1.34x
 # faster than 96 at each of those points, fp32 and bf16 caches (256: slower than either;
-# 384: as 192). Every head's scores of the tile (8 x 4 x 192 floats) stay in L1.
+# 384: as 192); on the micro-kernels (Zen 4, one thread) 16-key tiles ran 1.5x slower than
+# 192 and 64 as 192. Every head's scores of the tile (8 x 4 x 192 floats) stay in L1.
 DECODE_BLOCK_N = 192
 # Below this many bytes of K and V per call, a step runs on the calling thread: at 2 MB
 # (S = 256, 8 kv heads, E = 128, fp32) both took 0.47-0.50 ms a call, at 4 MB the threads
@@ -369,11 +454,42 @@ def _pages(inputs: KVCacheInputs) -> tuple[np.ndarray, np.ndarray, bool]:
     return k_pages, v_pages, head_major
 
 
+def decode_kind(inputs: KVCacheInputs, head_major: bool) -> int:
+    """The step's kind: micro-kernels (`micro_kernel_tile`) for row-major pages, BF16 for
+    a bf16 cache of even E where the CPU has the bf16 dot product, FP32 for an fp32 (or
+    fp16, converted) cache where our AVX-512 tiles serve; else LOOPS.
+
+    LOOPS serve int8 caches; AVX2, where key_dots' 16 accumulators of two ymm halves each
+    would spill; and head-major pages (transformers' layout), where the loops measured
+    faster: B = 1, S = 16k, 32/8 heads, E = 128, 2 threads, Zen 4: fp32 8.1-8.4 ms against
+    11.3-11.9, bf16 4.8-5.7 against 6.8-7.2 (row-major pages: fp32 8.2-9.2 against
+    9.3-10.4 on the loops).
+    """
+    if inputs.quantized or head_major:
+        return LOOPS
+    if inputs.dtype == torch.bfloat16:
+        even = inputs.head_dim % 2 == 0  # a pair past an odd row's end would be read
+        return BF16 if even and tile_route("bf16")[0] == "avx512-bf16" else LOOPS
+    return FP32 if tile_route("fp32")[0] == "avx512" else LOOPS
+
+
+def query_rows(inputs: KVCacheInputs, kind: int) -> np.ndarray:
+    """The query as (B, H, group Lq, E) rows, each kv head's group of query heads stacked
+    (group g's token t is row g Lq + t): fp32, or for BF16 bf16 bits with E padded even."""
+    q = inputs.query
+    shape = (q.shape[0], inputs.kv_heads, q.shape[1] // inputs.kv_heads * q.shape[2])
+    if kind == BF16:
+        q = torch.nn.functional.pad(q, (0, q.shape[3] % 2))
+        return as_bf16_bits(q.contiguous().reshape(*shape, q.shape[3]))
+    return as_numpy(q.to(torch.float32).contiguous().reshape(*shape, q.shape[3]))
+
+
 def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of a KV-cache call:
-    split-K over (batch, kv head, split) items, merged exactly."""
-    q = as_fp32(inputs.query)
+    split-K over (batch, split) items, merged exactly."""
     k_pages, v_pages, head_major = _pages(inputs)
+    kind = decode_kind(inputs, head_major)
+    q_rows = query_rows(inputs, kind)
     no_scales = np.zeros((0, 0, 0, 0), np.float32)
     k_scales, v_scales = no_scales, no_scales
     if inputs.quantized:  # read in place: codes and scales, C-contiguous
@@ -381,17 +497,18 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     threads = torch.get_num_threads()
     parallel = threads > 1 and inputs.kv_bytes >= PARALLEL_MIN_BYTES
     splits = kvcache_splits(inputs, threads if parallel else 1)
-    shape = (*q.shape[:3], v_pages.shape[3])
+    rows_shape = inputs.query.shape[:3]
+    shape = (*rows_shape, v_pages.shape[3])
     # The splits' partial results never leave the kernels: numpy's memory, no torch tensor.
     partial_out = np.empty((splits, *shape), np.float32)
-    partial_stats = np.empty((splits, *q.shape[:3], 2), np.float32)
+    partial_stats = np.empty((splits, *rows_shape, 2), np.float32)
     out, out_array = float32_array(shape, zero=True)
-    stats, stats_array = float32_array((*q.shape[:3], 2), zero=True)
-    if q.size:
+    stats, stats_array = float32_array((*rows_shape, 2), zero=True)
+    if q_rows.size:
         variant = lower_variant(inputs)
         table = as_numpy(inputs.block_table.cpu())
-        args = (q, k_pages, v_pages, k_scales, v_scales, head_major, table, variant,
-                inputs.scale, DECODE_BLOCK_N, partial_out, partial_stats)  # fmt: skip
+        args = (q_rows, k_pages, v_pages, k_scales, v_scales, head_major, table, variant,
+                inputs.scale, DECODE_BLOCK_N, kind, partial_out, partial_stats)  # fmt: skip
         if parallel:
             run_parallel(kvcache_forward_splits, *args)
         else:

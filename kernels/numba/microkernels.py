@@ -11,6 +11,12 @@ element broadcast and each B row streamed as nv vectors (the last one masked to 
   (depth / 2, 2 * columns): a row holds, for each column, its two depth elements side by
   side. One vdpbf16ps per A pair and B vector; where the CPU lacks AVX512-BF16 the same
   sums are two FMAs on the widened halves (exact: a product of two bf16 fits in fp32).
+- widened: A float32, B bfloat16 as it lies (a bf16 cache's values), widened in registers
+  to fp32 FMAs.
+
+`key_dots` is the other kind of tile: query rows against key rows as they lie, dot
+products reduced by a transposing tree, for a decode step that reads its cache in memory
+order instead of packing it.
 
 The drivers below walk a whole product in micro-kernels: rows in blocks of 6, columns in
 panels as wide as the registers allow, remainders by smaller literal shapes. With AVX-512 a
@@ -42,7 +48,7 @@ from attnperf.kernels.numba.jit import (
 
 LANES = 16
 BLOCK_ROWS = 6  # rows of accumulators a micro-kernel holds
-FP32, BF16 = 0, 1  # the products' kinds
+FP32, BF16, WIDENED = 0, 1, 2  # the products' kinds (WIDENED: fp32 A, bf16 B widened)
 
 
 def target_features() -> frozenset[str]:
@@ -157,14 +163,15 @@ class _Emitter:
         builder = self.builder
         address = builder.bitcast(pointer, vector_type.as_pointer())
         if not last:
-            return builder.load(address, align=4)
+            return builder.load(address, align=_alignment(vector_type))
         masked = _function(
             builder,
             f"llvm.masked.load.{_suffix(vector_type)}.p0",
             vector_type,
             [vector_type.as_pointer(), ir.IntType(32), self.mask.type, vector_type],
         )
-        return builder.call(masked, [address, _i32(4), self.mask, ir.Constant(vector_type, None)])
+        alignment = _i32(_alignment(vector_type))
+        return builder.call(masked, [address, alignment, self.mask, ir.Constant(vector_type, None)])
 
     def store(self, value, pointer, last):
         builder = self.builder
@@ -183,18 +190,23 @@ class _Emitter:
     def a_operand(self, pointer):
         """A's element (fp32) or depth pair (bf16, as an i32) in every lane."""
         builder = self.builder
-        if self.kind == FP32:
+        if self.kind != BF16:
             return _splat(builder, builder.load(pointer), self.f32x16)
         pair = builder.load(builder.bitcast(pointer, ir.IntType(32).as_pointer()), align=2)
         return _splat(builder, pair, self.i32x16)
 
     def b_operand(self, pointer, last):
+        if self.kind == WIDENED:  # 16 bf16, widened exactly: fp32's upper halves
+            halves = self.load(pointer, ir.VectorType(ir.IntType(16), LANES), last)
+            words = self.builder.zext(halves, self.i32x16)
+            upper = self.builder.shl(words, ir.Constant(self.i32x16, [16] * LANES))
+            return self.builder.bitcast(upper, self.f32x16)
         vector_type = self.f32x16 if self.kind == FP32 else self.i32x16
         return self.load(pointer, vector_type, last)
 
     def multiply_add(self, acc, a, b):
         builder = self.builder
-        if self.kind == FP32:
+        if self.kind != BF16:
             return builder.call(self.fma, [a, b, acc])
         if self.has_bf16:
             a, b = builder.bitcast(a, self.bf16x32), builder.bitcast(b, self.bf16x32)
@@ -240,8 +252,15 @@ def rolled_loop(builder, count):
 
 
 def _suffix(vector_type):
-    element = "f32" if isinstance(vector_type.element, ir.FloatType) else "i32"
-    return f"v{vector_type.count}{element}"
+    element = vector_type.element
+    name = "f32" if isinstance(element, ir.FloatType) else f"i{element.width}"
+    return f"v{vector_type.count}{name}"
+
+
+def _alignment(vector_type):
+    """The alignment a vector's elements guarantee: 2 bytes for bf16 bits, else 4."""
+    element = vector_type.element
+    return 2 if isinstance(element, ir.IntType) and element.width == 16 else 4
 
 
 def _operand(context, builder, view_type, view):
@@ -255,7 +274,8 @@ def _operand(context, builder, view_type, view):
 def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, cols):
     """C[i, j] = alpha * sum_d A[i, d] B[d, j] + beta * C[i, j] for i < mr, j < cols <=
     16 nv (mr and nv literal; beta = 0 never reads C), fp32 for float32 A and B, bf16 for
-    uint16 ones. Views count elements:
+    uint16 ones, and for a float32 A with a uint16 B (a bf16 cache's values as they lie)
+    fp32 FMAs on B widened in registers. Views count elements:
 
     - a_view (a, offset, row_stride, depth_stride): A[i, d] = a[offset + i row_stride +
       d depth_stride]; for bf16 d counts pairs: the pair at 2 d depth_stride (stride 1).
@@ -263,8 +283,8 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
       (j // 16) vector_stride + j % 16] (bf16: the pair at 2 (j % 16)).
     - c_view (c, offset, row_stride): C[i, j] = c[offset + i row_stride + j].
 
-    A and B of different dtypes trap: numba types both sides of an `if` on the operands'
-    dtype, and such a pair only appears on the side never taken. So does nv above
+    Other pairs of dtypes trap: numba types both sides of an `if` on the operands' dtype,
+    and such a pair only appears on the side never taken. So does nv above
     `panel_vectors()`, which the drivers never ask for: not compiling those shapes saves
     time.
     """
@@ -272,7 +292,8 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
         return None
     rows, vectors = mr.literal_value, nv.literal_value
     a_dtype, b_dtype = a_view[0].dtype, b_view[0].dtype
-    kind_value = FP32 if a_dtype == types.float32 else BF16
+    kind_value = {(types.float32, types.float32): FP32, (types.uint16, types.uint16): BF16,
+                  (types.float32, types.uint16): WIDENED}.get((a_dtype, b_dtype))  # fmt: skip
     sig = types.void(mr, nv, types.intp, types.float32, types.float32, a_view, b_view, c_view,
                      types.intp)  # fmt: skip
     has_bf16 = "avx512bf16" in target_features()
@@ -280,7 +301,7 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
 
     def codegen(context, builder, signature, args):
         depth, alpha, beta, a_view, b_view, c_view, cols = args[2:]
-        if a_dtype != b_dtype or vectors > most_vectors:
+        if kind_value is None or vectors > most_vectors:
             builder.call(_function(builder, "llvm.trap", ir.VoidType(), []), [])
             return context.get_dummy_value()
         a_data, a_offset, a_row_stride, a_depth_stride = _operand(
@@ -300,7 +321,7 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
         mask = _lanes_below(builder, count)
         emit = _Emitter(builder, kind_value, mask, has_bf16)
         zero = ir.Constant(emit.f32x16, None)
-        a_step = builder.mul(a_depth_stride, constant(1 if kind_value == FP32 else 2))
+        a_step = builder.mul(a_depth_stride, constant(2 if kind_value == BF16 else 1))
         alpha_vector = _splat(builder, alpha, emit.f32x16)
         beta_vector = _splat(builder, beta, emit.f32x16)
         reads_c = builder.fcmp_ordered("!=", beta, ir.Constant(ir.FloatType(), 0.0))
@@ -445,6 +466,140 @@ def gemm_fp32(a, b, c, alpha, beta, trans_a, trans_b):
     else:
         b_view = (b, 0, b.strides[0] // 4, LANES)
         tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols)
+
+
+KEY_BLOCKS = {4: 4, 2: 8, 1: 16}  # key_dots' shapes: query rows -> keys, 16 accumulators
+
+
+@intrinsic(prefer_literal=True)
+def key_dots(typingctx, mr, depth, alpha, q_view, k_view, s_view, keys):
+    """S[i, t] = alpha * sum_d Q[i, d] K[t, d] for i < mr and t < keys <= 16 / mr (mr 1, 2
+    or 4, literal): dot products of query rows with key rows as they lie (no packing, so a
+    cache is read in memory order), mr x 16 / mr vector accumulators reduced at the end by a
+    transposing tree (15 adds for 16 sums, no horizontal sum per key). fp32 for float32 q
+    and k, bf16 pairs (vdpbf16ps; depth counts pairs) for uint16 ones. Views count
+    elements: (array, offset, row_stride); key rows past `keys` are never read."""
+    if not isinstance(mr, types.IntegerLiteral) or mr.literal_value not in KEY_BLOCKS:
+        return None
+    rows = mr.literal_value
+    key_block = KEY_BLOCKS[rows]
+    kind_value = FP32 if q_view[0].dtype == types.float32 else BF16
+    sig = types.void(mr, types.intp, types.float32, q_view, k_view, s_view, types.intp)
+    has_bf16 = "avx512bf16" in target_features()
+
+    def codegen(context, builder, signature, args):
+        depth, alpha, q_view, k_view, s_view, keys = args[1:]
+        if signature.args[3][0].dtype != signature.args[4][0].dtype:  # a side never taken
+            builder.call(_function(builder, "llvm.trap", ir.VoidType(), []), [])
+            return context.get_dummy_value()
+        q_data, q_offset, q_stride = _operand(context, builder, signature.args[3], q_view)
+        k_data, k_offset, k_stride = _operand(context, builder, signature.args[4], k_view)
+        s_data, s_offset, s_stride = _operand(context, builder, signature.args[5], s_view)
+        index_type = depth.type
+
+        def constant(value):
+            return ir.Constant(index_type, value)
+
+        emit = _Emitter(builder, kind_value, None, has_bf16)
+        vector_type = emit.f32x16 if kind_value == FP32 else emit.i32x16
+        unit = constant(1 if kind_value == FP32 else 2)  # array elements per lane
+        zero = ir.Constant(emit.f32x16, None)
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(key_block)]
+                for _ in range(rows)]  # fmt: skip
+        # Keys past `keys` read the last one again (their sums are never stored).
+        last_key = builder.sub(keys, constant(1))
+        key_rows = []
+        for t in range(key_block):
+            t_value = constant(t)
+            row = builder.select(builder.icmp_signed("<", t_value, keys), t_value, last_key)
+            key_rows.append(builder.add(k_offset, builder.mul(row, k_stride)))
+        q_rows = [builder.add(q_offset, builder.mul(constant(i), q_stride)) for i in range(rows)]
+
+        def depth_step(at, mask):
+            emit.mask = mask
+            masked = mask is not None
+            queries = [emit.load(builder.gep(q_data, [builder.add(q_row, at)]), vector_type,
+                                 masked) for q_row in q_rows]  # fmt: skip
+            for t in range(key_block):
+                key = emit.load(builder.gep(k_data, [builder.add(key_rows[t], at)]),
+                                vector_type, masked)  # fmt: skip
+                for i in range(rows):
+                    acc = builder.load(accs[i][t])
+                    builder.store(emit.multiply_add(acc, queries[i], key), accs[i][t])
+
+        whole = builder.sdiv(depth, constant(LANES))
+        with rolled_loop(builder, whole) as d:
+            depth_step(builder.mul(builder.mul(d, constant(LANES)), unit), None)
+        left = builder.trunc(builder.srem(depth, constant(LANES)), ir.IntType(32))
+        with builder.if_then(builder.icmp_signed(">", left, _i32(0))):
+            at = builder.mul(builder.mul(whole, constant(LANES)), unit)
+            depth_step(at, _lanes_below(builder, left))
+
+        # The tree: each vector holds blocks of equal lanes, each block one (row, key)'s
+        # partial sums; a pair of vectors becomes one of twice the blocks, each half as wide.
+        vectors = [builder.load(accs[i][t]) for i in range(rows) for t in range(key_block)]
+        labels = [[(i, t)] for i in range(rows) for t in range(key_block)]
+        while len(vectors) > 1:
+            width = LANES // len(labels[0])
+            half = width // 2
+            merged, merged_labels = [], []
+            pairs = zip(vectors[0::2], labels[0::2], vectors[1::2], labels[1::2], strict=True)
+            for a, a_labels, b, b_labels in pairs:
+                low, high, order = [], [], []
+                for block, (a_label, b_label) in enumerate(zip(a_labels, b_labels, strict=True)):
+                    start = block * width
+                    low += list(range(start, start + half))
+                    low += list(range(LANES + start, LANES + start + half))
+                    high += list(range(start + half, start + width))
+                    high += list(range(LANES + start + half, LANES + start + width))
+                    order += [a_label, b_label]
+                merged.append(builder.fadd(_shuffle(builder, a, b, low),
+                                           _shuffle(builder, a, b, high)))  # fmt: skip
+                merged_labels.append(order)
+            vectors, labels = merged, merged_labels
+        lane_of = {label: lane for lane, label in enumerate(labels[0])}
+        in_order = [lane_of[(i, t)] for i in range(rows) for t in range(key_block)]
+        sums = _shuffle(builder, vectors[0], vectors[0], in_order)
+        sums = builder.fmul(sums, _splat(builder, alpha, emit.f32x16))
+        key_mask = _lanes_below(builder, builder.trunc(keys, ir.IntType(32)), key_block)
+        emit.mask = key_mask
+        for i in range(rows):
+            own_lanes = list(range(i * key_block, (i + 1) * key_block))
+            row = sums if key_block == LANES else _shuffle(builder, sums, sums, own_lanes)
+            at = builder.add(s_offset, builder.mul(constant(i), s_stride))
+            emit.store(row, builder.gep(s_data, [at]), True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(fastmath=FASTMATH)
+def _dot_blocks(mr, depth, alpha, q_view, k_view, s_view, i, keys):
+    """Query rows i .. i + mr - 1 against every key, in key_dots of mr rows."""
+    literally(mr)  # compiled per row count
+    q, q_offset, q_stride = q_view
+    k, k_offset, k_stride = k_view
+    s, s_offset, s_stride = s_view
+    step = LANES // mr
+    for t in range(0, keys, step):
+        key_dots(mr, depth, alpha, (q, q_offset + i * q_stride, q_stride),
+                 (k, k_offset + t * k_stride, k_stride),
+                 (s, s_offset + i * s_stride + t, s_stride), min(step, keys - t))  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def scores_by_dots(depth, alpha, q_view, k_view, s_view, rows, keys):
+    """S[:rows, :keys] = alpha * Q K^T for query rows against key rows as they lie (views
+    and kinds as `key_dots`'), in blocks of 4 query rows by 4 keys, then 2 by 8, 1 by 16."""
+    i = 0
+    while rows - i >= 4:
+        _dot_blocks(4, depth, alpha, q_view, k_view, s_view, i, keys)
+        i += 4
+    if rows - i >= 2:
+        _dot_blocks(2, depth, alpha, q_view, k_view, s_view, i, keys)
+        i += 2
+    if rows - i == 1:
+        _dot_blocks(1, depth, alpha, q_view, k_view, s_view, i, keys)
 
 
 @intrinsic
