@@ -30,6 +30,7 @@ from attnperf.kernels.numba.microkernels import (
 from attnperf.kernels.numba.variant import (
     key_range,
     lower_variant,
+    modifies_scores,
     modify_scores,
     tile_structure,
     with_sink,
@@ -189,11 +190,13 @@ LOOPS = -1  # a step's kind where no micro-kernel serves it: the per-key loops a
 def tile_softmax(s, hk, q_len, cols, variant, b, j0, structure, acc, row_max, row_sum, shift):
     """The online softmax's step over one key tile for kv head hk's rows, s[hk] (its
     group's query heads, q_len rows each): masks and variant, then P in place."""
-    no_dtanh = np.empty((0, 0), np.float32)
     rows = s.shape[1]
-    for g in range(rows // q_len):
-        modify_scores(s[hk, g * q_len : (g + 1) * q_len], variant, b, hk * (rows // q_len) + g,
-                      0, j0, q_len, cols, structure, no_dtanh)  # fmt: skip
+    if modifies_scores(variant, structure):
+        no_dtanh = np.empty((0, 0), np.float32)
+        for g in range(rows // q_len):
+            modify_scores(s[hk, g * q_len : (g + 1) * q_len], variant, b,
+                          hk * (rows // q_len) + g, 0, j0, q_len, cols, structure,
+                          no_dtanh)  # fmt: skip
     online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk], row_sum[hk], shift[hk])
 
 

@@ -106,6 +106,14 @@ def key_tiles(variant, b, h, i0, rows, kv_len, block_n):
     return tiles
 
 
+@njit()
+def modifies_scores(variant, structure):
+    """Whether modify_scores changes a tile of this structure: a softcap, a mask, ALiBi,
+    or a MASKED tile (a decode step's plain tiles skip its calls)."""
+    mask_kind, softcap2, alibi2 = variant[1], variant[5], variant[6]
+    return structure == MASKED or mask_kind != MASK_NONE or softcap2 != 0 or alibi2.shape[0] > 0
+
+
 @njit(fastmath=FASTMATH)
 def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
     """Scores of one tile (base 2, scaled) in place: softcap, attn_mask, ALiBi, and, for a
