@@ -45,8 +45,9 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(numba_kvcache, "DECODE_BLOCK_N", 16)
 
 
-def cache_call(dtype, device="cpu", q_len=1, new=1, cached=CACHED, seed=0, **variant) -> dict:
-    """A contiguous-cache call (B, S_max, H, E) with `new` keys to append."""
+def cache_call(dtype, device="cpu", q_len=1, new=1, cached=CACHED, seed=0, heads=HEADS,
+               head_dim=HEAD_DIM, s_max=S_MAX, **variant) -> dict:  # fmt: skip
+    """A contiguous-cache call (B, s_max, H, E) with `new` keys to append."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(cached)
 
@@ -54,12 +55,12 @@ def cache_call(dtype, device="cpu", q_len=1, new=1, cached=CACHED, seed=0, **var
         return (torch.randn(*shape, generator=gen) * 2).to(device, dtype)
 
     call = {
-        "q": tensor(batch, q_len, HEADS, HEAD_DIM),
-        "k_cache": tensor(batch, S_MAX, KV_HEADS, HEAD_DIM),
-        "v_cache": tensor(batch, S_MAX, KV_HEADS, HEAD_DIM),
+        "q": tensor(batch, q_len, heads, head_dim),
+        "k_cache": tensor(batch, s_max, KV_HEADS, head_dim),
+        "v_cache": tensor(batch, s_max, KV_HEADS, head_dim),
         "cache_seqlens": torch.tensor(cached, dtype=torch.int32, device=device),
-        "k_new": tensor(batch, new, KV_HEADS, HEAD_DIM) if new else None,
-        "v_new": tensor(batch, new, KV_HEADS, HEAD_DIM) if new else None,
+        "k_new": tensor(batch, new, KV_HEADS, head_dim) if new else None,
+        "v_new": tensor(batch, new, KV_HEADS, head_dim) if new else None,
     }
     return call | {n: v.to(device) if torch.is_tensor(v) else v for n, v in variant.items()}
 
@@ -330,21 +331,8 @@ def test_numba_decode_every_step_kind_keeps_the_2x_rule(dtype, kind, head_dims, 
     monkeypatch.setattr(numba_kvcache, "decode_kind", lambda inputs, head_major: kind)
     numba = dispatch.registry()["numba"]
     for head_dim in head_dims:
-        gen = torch.Generator().manual_seed(head_dim)
-        cached = (0, 6, 37, 90)
-        batch = len(cached)
-
-        def tensor(*shape):
-            return torch.randn(*shape, generator=gen).to(dtype)  # noqa: B023
-
-        call = {
-            "q": tensor(batch, 3, 6, head_dim),
-            "k_cache": tensor(batch, S_MAX, KV_HEADS, head_dim),
-            "v_cache": tensor(batch, S_MAX, KV_HEADS, head_dim),
-            "cache_seqlens": torch.tensor(cached, dtype=torch.int32),
-            "k_new": tensor(batch, 3, KV_HEADS, head_dim),
-            "v_new": tensor(batch, 3, KV_HEADS, head_dim),
-        }
+        call = cache_call(dtype, q_len=3, new=3, cached=(0, 6, 37, 90), seed=head_dim, heads=6,
+                          head_dim=head_dim)  # fmt: skip
         exact = expected(float64_reference, call)
         baseline = expected(same_precision_reference, call)
         for layout in (call, head_major(call)):
@@ -358,20 +346,7 @@ def test_numba_decode_at_realistic_size_keeps_the_2x_rule(dtype, monkeypatch):
     """One token over 4096 cached keys, Llama's head dim and a GQA group of 4, in the
     step's real tiles (192 keys), whichever kind this CPU runs."""
     monkeypatch.setattr(numba_kvcache, "DECODE_BLOCK_N", 192)
-    gen = torch.Generator().manual_seed(11)
-    cached = 4096
-
-    def tensor(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    call = {
-        "q": tensor(2, 1, 8, 128),
-        "k_cache": tensor(2, cached, 2, 128),
-        "v_cache": tensor(2, cached, 2, 128),
-        "cache_seqlens": torch.tensor((cached, cached - 1000), dtype=torch.int32),
-        "k_new": None,
-        "v_new": None,
-    }
+    call = cache_call(dtype, new=0, cached=(4096, 3096), seed=11, head_dim=128, s_max=4096)
     exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
     out, lse, _, _ = run(dispatch.registry()["numba"], call)
     assert_agrees(out, exact[0], baseline[0])
