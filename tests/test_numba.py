@@ -17,6 +17,7 @@ from attnperf.testing import assert_agrees, float64_reference, same_precision_re
 
 pytest.importorskip("numba")
 from attnperf.kernels.numba import attention, blas, fastmath, launch
+from attnperf.kernels.numba.jit import numba
 
 if dispatch.registry()["numba"].unavailable_reason():
     pytest.skip(dispatch.registry()["numba"].unavailable_reason(), allow_module_level=True)
@@ -151,6 +152,36 @@ def test_fp32_views_are_read_in_place_and_other_layouts_copied():
         array = launch.as_fp32(copied)
         assert array.dtype == np.float32 and array.flags.c_contiguous
         np.testing.assert_array_equal(array, copied.float().numpy())
+
+
+def test_any_layout_gives_every_layout_one_numba_type():
+    """Contiguous arrays, (B, L, H, E) views and broadcast masks reach the kernels as one
+    type, so one compiled kernel serves them all: the same elements at [0] and [1]."""
+    blhe = np.arange(2 * 5 * 3 * 4, dtype=np.float32).reshape(2, 5, 3, 4)
+    arrays = (np.ascontiguousarray(blhe.transpose(0, 2, 1, 3)), blhe.transpose(0, 2, 1, 3),
+              np.broadcast_to(blhe.transpose(0, 2, 1, 3)[:1, :, :1], (2, 3, 5, 4)))  # fmt: skip
+    views = [launch.any_layout(a) for a in arrays]
+    assert len({numba.typeof(view) for view in views}) == 1
+    for array, view in zip(arrays, views, strict=True):
+        assert view.shape == (2, *array.shape)
+        np.testing.assert_array_equal(view[0], array)
+        np.testing.assert_array_equal(view[1], array)
+
+
+def test_forward_kernels_take_their_arrays_in_any_layout():
+    """The launchers wrap q, k, v and the mask (`launch.any_layout`) for every layout: each
+    compiled forward has them as layout "A"."""
+    q, k, v = (torch.randn(1, 3, 32, 16) for _ in range(3))
+    mask = torch.randn(32, 32)
+    for args in ((q, k, v), tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in
+                                   (q, k, v))):  # fmt: skip
+        attnperf.attention(*args, backend="numba")
+        attnperf.attention(*args, attn_mask=mask, backend="numba")
+    compiled = [*attention.packed_forward.signatures, *attention.online_softmax_forward.signatures]
+    assert compiled
+    for signature in compiled:
+        mask_type = signature[3][0] if len(signature) == 9 else signature[5][0]
+        assert all(t.layout == "A" for t in (*signature[:3], mask_type)), signature
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.fastmath import LOG2E, exp2, exp2_shifted, row_maximum
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
 from attnperf.kernels.numba.launch import (
+    any_layout,
     as_bf16_bits,
     as_fp32,
     as_numpy,
@@ -23,6 +24,8 @@ from attnperf.kernels.numba.microkernels import (
     BF16,
     FP32,
     LANES,
+    ONE,
+    ZERO,
     pack_key_panels,
     pack_vnni,
     tile_product,
@@ -34,6 +37,7 @@ from attnperf.kernels.numba.variant import (
     SKIP,
     key_tiles,
     longest,
+    longest_in_table,
     lower_variant,
     modify_scores,
     query_range,
@@ -115,9 +119,10 @@ def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
 
 
 @njit(parallel=True, fastmath=FASTMATH)
-def online_softmax_forward(q, k, v, variant, scale, out, stats, block_m, block_n):
+def online_softmax_forward(q_any, k_any, v_any, variant, scale, out, stats, block_m, block_n):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
     2 ** (score - max), the sink's term included; fp32 q, k, v with unit stride along E."""
+    q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
     q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], v.shape[3]
     group = q_heads // kv_heads
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
@@ -197,7 +202,7 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
         keys_at = ((b * kv_heads + hk) * panels + j0 // LANES) * panel_size
         keys_view = (key_panels, keys_at, key_panels.shape[4], panel_size)
-        tile_product(depth, scale2, 0.0, q_view, keys_view, (s, 0, width), rows, cols)
+        tile_product(depth, scale2, ZERO, q_view, keys_view, (s, 0, width), rows, cols)
         modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
         online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
         if bf16:
@@ -205,17 +210,17 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
             pairs_at = (b * kv_heads + hk) * value_pairs.shape[2] + j0 // 2
             values_view = (value_pairs, pairs_at * 2 * value_dim, 2 * value_dim, 2 * LANES)
             p_view = (p16, 0, width + 1, 1)
-            tile_product((cols + 1) // 2, 1.0, 1.0, p_view, values_view, acc_view, rows, value_dim)
+            tile_product((cols + 1) // 2, ONE, ONE, p_view, values_view, acc_view, rows, value_dim)
         else:
             v_at = slot * v_strides[0] + hk * v_strides[1] + (k0 + j0) * v_strides[2]
             values_view = (v, v_at, v_strides[2], LANES)
-            tile_product(cols, 1.0, 1.0, (s, 0, width, 1), values_view, acc_view, rows, value_dim)
+            tile_product(cols, ONE, ONE, (s, 0, width, 1), values_view, acc_view, rows, value_dim)
     finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, out, stats)
 
 
 @njit(parallel=True, fastmath=FASTMATH)
-def packed_forward(q, k, v, key_panels, value_pairs, variant, scale, out, stats, block_m,
-                   block_n):  # fmt: skip
+def packed_forward(q_any, k_any, v_any, key_panels, value_pairs, variant, scale, out, stats,
+                   block_m, block_n):  # fmt: skip
     """online_softmax_forward on our micro-kernels: each (sequence, kv head)'s keys (and
     bf16 values) packed once into key_panels (value_pairs), then every query tile over
     them. fp32 (q, k, v float32) or bf16 (q, k, v bf16 bits, values packed in pairs, P
@@ -223,18 +228,22 @@ def packed_forward(q, k, v, key_panels, value_pairs, variant, scale, out, stats,
 
     One call for both steps: a short call paid ~4 us of arguments per kernel call, and its
     packing ran on one thread to spare a second parallel region."""
+    q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
+    # Items as int64, as packed_forward_serial's: prange's are unsigned, and the helpers
+    # would otherwise be compiled twice.
     for item in prange(variant[4].shape[0] * k.shape[1]):
-        pack_sequence(k, v, variant, key_panels, value_pairs, item)
+        pack_sequence(k, v, variant, key_panels, value_pairs, np.int64(item))
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     for item in prange(variant[4].shape[0] * q.shape[1] * q_tiles):
         packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                          block_n, item)  # fmt: skip
+                          block_n, np.int64(item))  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
-def packed_forward_serial(q, k, v, key_panels, value_pairs, variant, scale, out, stats,
-                          block_m, block_n):  # fmt: skip
+def packed_forward_serial(q_any, k_any, v_any, key_panels, value_pairs, variant, scale, out,
+                          stats, block_m, block_n):  # fmt: skip
     """packed_forward on the calling thread (one query tile: nothing to share)."""
+    q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
     for item in range(variant[4].shape[0] * k.shape[1]):
         pack_sequence(k, v, variant, key_panels, value_pairs, item)
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
@@ -256,13 +265,16 @@ def product_with_transposed(a, x_tile, panels, b, hk, j0, out, alpha, tiles):
     a_view = (a, 0, a.strides[0] // 4, 1)
     x_view = (panels[b, hk], j0 // LANES * size, LANES, size)
     out_view = (out, 0, out.strides[0] // 4)
-    tile_product(depth, alpha, 0.0, a_view, x_view, out_view, a.shape[0], x_tile.shape[0])
+    tile_product(
+        depth, np.float32(alpha), ZERO, a_view, x_view, out_view, a.shape[0], x_tile.shape[0]
+    )
 
 
 @njit(parallel=True, fastmath=FASTMATH)
-def pack_panels(x, variant, panels):
+def pack_panels(x_any, variant, panels):
     """panels (NS, Hk, S16, E, 16) <- each sequence's keys (or values) of x, per kv head, as
     `pack_key_panels`: x^T for the micro-kernels, a sequence starting at a panel."""
+    x = x_any[0]  # launch.any_layout's view
     kv_heads = x.shape[1]
     for item in prange(variant[4].shape[0] * kv_heads):
         b, hk, _ = split_index(item, kv_heads, 1)
@@ -311,10 +323,12 @@ def through_softcap(ds, dtanh, rows, cols):
 
 @njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dq(
-    q, k, v, panels, variant, scale, stats, grad_out, delta, dq, dmask, block_m, block_n
-):
+    q_any, k_any, v_any, panels, variant, scale, stats, grad_out_any, delta, dq, dmask, block_m,
+    block_n,
+):  # fmt: skip
     """dq += (and the float mask's gradient dS into dmask, unless it is empty) per query
     tile."""
+    q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]  # launch.any_layout's
     q_heads, kv_heads = q.shape[1], k.shape[1]
     group = q_heads // kv_heads
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
@@ -408,9 +422,11 @@ def key_tile_gradients(
 
 @njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dkdv(
-    q, k, v, panels, variant, scale, stats, grad_out, delta, dk, dv, block_m, block_n
-):
+    q_any, k_any, v_any, panels, variant, scale, stats, grad_out_any, delta, dk, dv, block_m,
+    block_n,
+):  # fmt: skip
     """dk, dv += per key tile, summed over every query head of the key/value head's group."""
+    q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]  # launch.any_layout's
     kv_heads = k.shape[1]
     kv_tiles = (longest(variant, 4) + block_n - 1) // block_n
     unused = np.zeros((0, 0, 0, 0), np.float32)
@@ -432,13 +448,15 @@ def attention_backward_dkdv(
 
 @njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_fused(
-    q, k, v, panels, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask, block_m, block_n
-):
+    q_any, k_any, v_any, panels, variant, scale, stats, grad_out_any, delta, dq, dk, dv, dmask,
+    block_m, block_n,
+):  # fmt: skip
     """dq, dk, dv += (and dS into an L x S dmask) in one pass: P and dP are computed once.
 
     One prange item per (batch, key/value head) owns every query head of its group, so its
     dq updates need no atomics; worth it when there are enough items for the threads.
     """
+    q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]  # launch.any_layout's
     kv_heads = k.shape[1]
     softcapped = variant[5] != 0
     for item in prange(variant[4].shape[0] * kv_heads):
@@ -488,14 +506,14 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
         variant = lower_variant(inputs)
         if kind is None:
             run_parallel(
-                online_softmax_forward, q, k, v, variant, inputs.scale, out_array, stats_array,
-                *tile_sizes(inputs),
+                online_softmax_forward, *map(any_layout, (q, k, v)), variant, inputs.scale,
+                out_array, stats_array, *tile_sizes(inputs),
             )  # fmt: skip
         else:
             block_m, block_n = short_call_tiles(inputs, variant)
             key_panels, value_pairs = packing_buffers(k, v, variant, kind)
-            args = (q, k, v, key_panels, value_pairs, variant, inputs.scale, out_array,
-                    stats_array, block_m, block_n)  # fmt: skip
+            args = (*map(any_layout, (q, k, v)), key_panels, value_pairs, variant, inputs.scale,
+                    out_array, stats_array, block_m, block_n)  # fmt: skip
             # On the threads wherever there are two query tiles to share: H = 2, L = 64
             # (2 MFLOP) took 23 us there against 35 us serially.
             if query_tiles(inputs, variant, block_m) < 2:
@@ -509,7 +527,7 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
 
 def query_tiles(inputs: AttentionInputs, variant: tuple, block_m: int) -> int:
     """The forward's work items: (sequence, query head, query tile) triples."""
-    return variant[4].shape[0] * inputs.q_heads * -(-longest(variant, 2) // block_m)
+    return variant[4].shape[0] * inputs.q_heads * -(-longest_in_table(variant, 2) // block_m)
 
 
 def short_call_tiles(inputs: AttentionInputs, variant: tuple) -> tuple[int, int]:
@@ -549,7 +567,7 @@ def packing_buffers(k, v, variant, kind) -> tuple[np.ndarray, np.ndarray]:
     count, kv_heads, dim = variant[4].shape[0], k.shape[1], k.shape[3]
     width = LANES * (1 if kind == FP32 else 2)
     depth = dim if kind == FP32 else (dim + 1) // 2
-    longest_keys = longest(variant, 4)
+    longest_keys = longest_in_table(variant, 4)
     panels = (longest_keys + LANES - 1) // LANES
     dtype = np.float32 if kind == FP32 else np.uint16
     key_panels = np.empty((count, kv_heads, panels, depth, width), dtype)
@@ -572,11 +590,11 @@ def transposed_panels(k, v, variant) -> tuple[np.ndarray, np.ndarray]:
         empty = np.zeros((0, 0, 0, 0, 0), np.float32)
         return empty, empty
     count, kv_heads = variant[4].shape[0], k.shape[1]
-    panels = (longest(variant, 4) + LANES - 1) // LANES
+    panels = (longest_in_table(variant, 4) + LANES - 1) // LANES
     packed = []
     for x in (k, v):
         x_panels = np.empty((count, kv_heads, panels, x.shape[3], LANES), np.float32)
-        run_parallel(pack_panels, x, variant, x_panels)
+        run_parallel(pack_panels, any_layout(x), variant, x_panels)
         packed.append(x_panels)
     return packed[0], packed[1]
 
@@ -627,8 +645,8 @@ def numba_attention_backward(
         )
     if inputs.has_pairs:
         run_parallel(softmax_delta, as_fp32(out), do, stats, lse_grad, delta)
-        common = (q, k, v, transposed_panels(k, v, variant), variant, inputs.scale, stats, do,
-                  delta)  # fmt: skip
+        common = (*map(any_layout, (q, k, v)), transposed_panels(k, v, variant), variant,
+                  inputs.scale, stats, any_layout(do), delta)  # fmt: skip
         blocks = tile_sizes(inputs, backward=True)
         if fused:
             grads = dq_array, dk_array, dv_array, dmask_array

@@ -22,6 +22,7 @@ from attnperf.kernels.numba.microkernels import (
     BF16,
     FP32,
     LANES,
+    ONE,
     scores_by_dots,
     tile_product,
     tile_route,
@@ -263,7 +264,7 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
         p_view = (s, hk * rows * width + c, width, 1)
         v_view = (v_pages, v_at + hk * v_head + c * v_row, v_row, LANES)
         acc_view = (acc, hk * rows * value_dim, value_dim)
-        tile_product(min(LANES, cols - c), 1.0, 1.0, p_view, v_view, acc_view, rows, value_dim)
+        tile_product(min(LANES, cols - c), ONE, ONE, p_view, v_view, acc_view, rows, value_dim)
 
 
 @njit(fastmath=FASTMATH)

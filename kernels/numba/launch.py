@@ -82,6 +82,21 @@ def float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, n
     return tensor, np.ctypeslib.as_array(memory).reshape(shape)
 
 
+def any_layout(array: np.ndarray) -> np.ndarray:
+    """`array` behind a leading dim of 2 at stride 0, which a kernel reads as `array[0]`:
+    numba then types it with layout "A" whatever its strides, so that one compiled kernel
+    serves contiguous arrays and strided views ((B, L, H, E) tensors, broadcast masks)
+    alike; each layout of each argument was otherwise a compilation of its own (seconds)."""
+    shape = (2, *array.shape)
+    if not array.flags.c_contiguous:
+        return np.broadcast_to(array, shape)  # read-only, as below
+    # The cheap way (~2 us against 3-5 for broadcast_to or as_strided; a short call makes
+    # three of these), which takes contiguous buffers only.
+    view = np.ndarray(shape, array.dtype, array, 0, (0, *array.strides))
+    view.flags.writeable = False
+    return view
+
+
 def as_bf16_bits(tensor: Tensor) -> np.ndarray:
     """A bf16 tensor's bits as a uint16 array (numpy has no bf16): a view where it has unit
     stride along the head dim, else a contiguous copy (still bf16)."""

@@ -48,6 +48,9 @@ from attnperf.kernels.numba.jit import (
 
 LANES = 16
 BLOCK_ROWS = 6  # rows of accumulators a micro-kernel holds
+# tile_product's alpha and beta where they are constants: float32 at every call, so that
+# one compiled kernel serves them all.
+ONE, ZERO = np.float32(1.0), np.float32(0.0)
 FP32, BF16, WIDENED = 0, 1, 2  # the products' kinds (WIDENED: fp32 A, bf16 B widened)
 
 
@@ -458,6 +461,7 @@ def gemm_fp32(a, b, c, alpha, beta, trans_a, trans_b):
         a_row_stride, a_depth_stride = a_depth_stride, a_row_stride
     a_view = (a, 0, a_row_stride, a_depth_stride)
     c_view = (c, 0, c.strides[0] // 4)
+    alpha, beta = np.float32(alpha), np.float32(beta)
     if trans_b:
         packed = np.empty(((cols + LANES - 1) // LANES, depth, LANES), np.float32)
         pack_key_panels(b, packed)

@@ -11,7 +11,7 @@ from torch import Tensor
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.fastmath import LOG2E, base2_bias, tanh
 from attnperf.kernels.numba.jit import FASTMATH, njit
-from attnperf.kernels.numba.launch import as_numpy
+from attnperf.kernels.numba.launch import any_layout, as_numpy
 from attnperf.kernels.numba.tiles import tiles_flag
 from attnperf.layouts import EMPTY as LAYOUT_EMPTY
 from attnperf.layouts import FULL as LAYOUT_FULL
@@ -27,6 +27,7 @@ MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 # (UNBOUNDED when open); sequences (B, 6) is attnperf.inputs.Sequences' table (slot, q_start,
 # q_len, k_start, k_len, offset), one row per batch entry for a plain call: row indices i, j
 # are within a sequence, its arrays' rows start at q_start, k_start of batch entry `slot`;
+# mask (B, Hq, L, S) behind `any_layout`'s leading dim;
 # softcap2 = softcap * log2(e), 0 without; alibi2 (B, Hq) = slopes * log2(e), empty
 # without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without; sinks2 (Hq,)
 # = sinks * log2(e), empty without; tiles: the fp32 tile products' route (tiles.product).
@@ -49,6 +50,12 @@ def longest(variant, column):
     for b in range(sequences.shape[0]):
         result = max(result, sequences[b, column])
     return result
+
+
+def longest_in_table(variant: tuple, column: int) -> int:
+    """`longest` for the launchers, in numpy: a call into numba types the whole variant
+    tuple first (~5 us, and a short call made three)."""
+    return int(variant[4][:, column].max(initial=0))
 
 
 @njit()
@@ -140,11 +147,11 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
     if mask_kind == MASK_FLOAT:
         for r in range(rows):
             for c in range(cols):
-                s[r, c] += base2_bias(mask[b, h, i0 + r, j0 + c])
+                s[r, c] += base2_bias(mask[0, b, h, i0 + r, j0 + c])
     elif mask_kind == MASK_BOOL:
         for r in range(rows):
             for c in range(cols):
-                if not mask[b, h, i0 + r, j0 + c]:
+                if not mask[0, b, h, i0 + r, j0 + c]:
                     s[r, c] += -np.inf  # like SDPA: a NaN score stays NaN
     if alibi2.shape[0] > 0:
         slope = alibi2[b, h]
@@ -197,19 +204,26 @@ def with_sink(variant, h, row_max, row_sum):
     return largest, np.float32(total), rescale / total
 
 
+NO_MASK = any_layout(np.zeros((1, 1, 1, 1), np.float32))  # read-only: one for every call
+
+
 def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int]:
-    """The mask as a strided array (broadcast dims keep stride 0) and its kind."""
+    """The mask (float32 or bool) as a strided array (broadcast dims keep stride 0), read
+    as `mask[0, b, h, i, j]` (`any_layout`), and its kind."""
     mask = inputs.attn_mask
-    if mask is None:
-        return np.zeros((1, 1, 1, 1), np.float32), MASK_NONE
-    if mask.dtype == torch.bool:
-        return as_numpy(mask), MASK_BOOL
-    # Convert only the mask's own elements, then broadcast again: never a full-size copy.
-    compact = mask.detach()
-    for dim in range(4):
-        if compact.stride(dim) == 0:
-            compact = compact.narrow(dim, 0, 1)
-    return as_numpy(compact.float().expand(mask.shape)), MASK_FLOAT
+    kind = MASK_NONE if mask is None else MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT
+    if kind == MASK_NONE:
+        return NO_MASK, kind
+    if kind == MASK_BOOL:
+        array = as_numpy(mask)
+    else:
+        # Convert only the mask's own elements, then broadcast again: never a full-size copy.
+        compact = mask.detach()
+        for dim in range(4):
+            if compact.stride(dim) == 0:
+                compact = compact.narrow(dim, 0, 1)
+        array = as_numpy(compact.float().expand(mask.shape))
+    return any_layout(array), kind
 
 
 def balanced_order(table: Tensor, threads: int) -> Tensor | None:
