@@ -40,22 +40,28 @@ class Sequences:
     def count(self) -> int:
         return self.table.shape[0]
 
+    # Read in numpy: a torch op on a tensor this small costs 3-10 us, and a short call or a
+    # decoding step is made of such steps.
     @property
     def max_q_len(self) -> int:
-        return int(self.table[:, 2].max()) if self.count else 0
+        return int(self.table.numpy()[:, 2].max(initial=0))
 
     @property
     def max_kv_len(self) -> int:
-        return int(self.table[:, 4].max()) if self.count else 0
+        return int(self.table.numpy()[:, 4].max(initial=0))
 
     @staticmethod
     def build(q_starts, q_lens, k_starts, k_lens, align: str, packed: bool) -> Sequences:
-        """The table from per-sequence starts and lengths (int64 CPU tensors)."""
+        """The table from per-sequence starts and lengths (int64 CPU tensors or numpy
+        arrays), made in numpy (see `dense`)."""
         count = len(q_lens)
-        slots = torch.zeros(count, dtype=torch.int64) if packed else torch.arange(count)
-        offsets = k_lens - q_lens if align == "bottom_right" else torch.zeros_like(q_lens)
-        table = torch.stack((slots, q_starts, q_lens, k_starts, k_lens, offsets), 1)
-        return Sequences(table, packed)
+        table = np.zeros((count, 6), np.int64)
+        table[:, 0] = 0 if packed else np.arange(count)
+        for column, values in enumerate((q_starts, q_lens, k_starts, k_lens), 1):
+            table[:, column] = np.asarray(values)
+        if align == "bottom_right":
+            table[:, 5] = table[:, 4] - table[:, 2]
+        return Sequences(torch.from_numpy(table), packed)
 
     @staticmethod
     def dense(batch: int, q_len: int, k_len: int, align: str) -> Sequences:
@@ -176,7 +182,7 @@ class AttentionInputs:
         calls: see Sequences; this is then the largest |o|, for the feature check)."""
         sequences = self.variant.sequences
         if sequences is not None:
-            return int(sequences.table[:, 5].abs().max()) if sequences.count else 0
+            return int(np.abs(sequences.table.numpy()[:, 5]).max(initial=0))
         return self.kv_len - self.q_len if self.variant.align == "bottom_right" else 0
 
     @property
@@ -213,8 +219,8 @@ class AttentionInputs:
         (head dim 0 still has pairs, of score 0)."""
         sequences = self.variant.sequences
         if sequences is not None:
-            lengths = sequences.table[:, 2] * sequences.table[:, 4]
-            return self.q_heads > 0 and bool((lengths > 0).any())
+            table = sequences.table.numpy()
+            return self.q_heads > 0 and bool((table[:, 2] * table[:, 4] > 0).any())
         return self.batch * self.q_heads * self.q_len * self.kv_len > 0
 
     @property

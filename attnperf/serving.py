@@ -312,7 +312,7 @@ class KVCacheInputs:
     def kv_bytes(self) -> int:
         """Bytes of K and V the call's sequences read: int8 codes and their float32 scales,
         else fp32 (what the kernels compute a float cache in)."""
-        keys = int(self.sequences.table[:, 4].sum())
+        keys = int(self.sequences.table.numpy()[:, 4].sum())
         if self.quantized:
             per_key = self.head_dim + self.value_dim + 4 * (self.k_scale.shape[3]
                                                             + self.v_scale.shape[3])  # fmt: skip
@@ -327,7 +327,7 @@ class KVCacheInputs:
 
     def features(self) -> set[str]:
         variant = self.variant
-        shifted = bool((variant.sequences.table[:, 5] != 0).any())
+        shifted = bool(variant.sequences.table.numpy()[:, 5].any())
         wanted = {
             "kvcache": True,
             "causal": self.is_causal,
@@ -381,8 +381,9 @@ def prepare_kvcache(
     _check_heads(q_heads, kv_heads, "k_cache/v_cache")
     table = _block_table(block_table, batch, pages, page_size, q.device)
     capacity = table.shape[1] * page_size
+    # The lengths in numpy: see Sequences.
     seqlens = _cache_seqlens("cache_seqlens", cache_seqlens, batch)
-    leftpad = torch.zeros_like(seqlens)
+    leftpad = np.zeros_like(seqlens)
     if cache_leftpad is not None:
         leftpad = _cache_seqlens("cache_leftpad", cache_leftpad, batch)
         if bool((leftpad > seqlens).any()):
@@ -402,7 +403,7 @@ def prepare_kvcache(
         raise TypeError(f"num_splits must be an int >= 0, got {type(num_splits).__name__}")
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0: chosen per call), got {num_splits}")
-    zeros, q_lens = torch.zeros_like(seqlens), torch.full_like(seqlens, q_len)
+    zeros, q_lens = np.zeros_like(seqlens), np.full_like(seqlens, q_len)
     variant = Variant(
         window=check_window(window),
         align="bottom_right",
@@ -421,7 +422,7 @@ def prepare_kvcache(
         k_scale=k_scale,
         v_scale=v_scale,
         block_table=table,
-        cache_seqlens=seqlens,
+        cache_seqlens=torch.from_numpy(seqlens),
         k_new=k_new,
         v_new=v_new,
         is_causal=check_flag("is_causal", is_causal),
@@ -452,9 +453,9 @@ def _block_table(table: object, batch: int, pages: int, page_size: int, device) 
     return table.long()
 
 
-def _check_pages(table: Tensor, lengths: Tensor, page_size: int, pages: int) -> None:
+def _check_pages(table: Tensor, lengths: np.ndarray, page_size: int, pages: int) -> None:
     """Every page a sequence uses names a page of the cache."""
-    used = torch.arange(table.shape[1]) * page_size < lengths[:, None]
+    used = torch.arange(table.shape[1]) * page_size < torch.from_numpy(lengths)[:, None]
     entries = table.cpu()
     bad = used & ((entries < 0) | (entries >= pages))
     if bool(bad.any()):
@@ -463,15 +464,15 @@ def _check_pages(table: Tensor, lengths: Tensor, page_size: int, pages: int) -> 
                          f"cache (0 .. {pages - 1})")  # fmt: skip
 
 
-def _cache_seqlens(name: str, value: object, batch: int) -> Tensor:
-    """cache_seqlens (or cache_leftpad) as (B,) int64 on the CPU."""
+def _cache_seqlens(name: str, value: object, batch: int) -> np.ndarray:
+    """cache_seqlens (or cache_leftpad) as a (B,) int64 numpy array."""
     if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
-        lengths = torch.full((batch,), int(value), dtype=torch.int64)
+        lengths = np.full(batch, int(value), np.int64)
     elif isinstance(value, Tensor) and value.dtype in (torch.int32, torch.int64):
         if tuple(value.shape) != (batch,):
             raise ValueError(f"{name} must be an int or of shape (B,) = ({batch},), got "
                              f"{tuple(value.shape)}")  # fmt: skip
-        lengths = value.detach().to("cpu", torch.int64)
+        lengths = value.detach().to("cpu", torch.int64).numpy().copy()
     else:
         raise TypeError(f"{name} must be an int or an int32 tensor, got "
                         f"{getattr(value, 'dtype', type(value).__name__)}")  # fmt: skip

@@ -71,16 +71,21 @@ def attention_forward(
     # The mask, where there is one, holds the window too: no matter.
     window = _window(kwargs)
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    # Rows of real tokens may stand for the mask; without a mask (a decode step's usual case)
+    # they are every row and key, and no tensor op is spent on them.
+    in_ranges = causal_layer and dropout == 0.0
+    unpadded = attention_mask is None
     ranges = None
-    if causal_layer and dropout == 0.0:
+    if in_ranges and not unpadded:
         band = (None if window is None else window[0], 0)
         ranges = padding_ranges(attention_mask, query.shape[0], q_len, key.shape[2], band)
     gqa = query.shape[1] != key.shape[1]
-    if ranges is not None:
-        q_starts, q_lens, k_starts, k_lens = ranges
-        unpadded = attention_mask is None  # a decode step's usual case: no tensor ops
-        every_query = unpadded or bool((q_starts == 0).all() & (q_lens == q_len).all())
-        every_key = unpadded or bool((k_starts == 0).all() & (k_lens == key.shape[2]).all())
+    if in_ranges and (unpadded or ranges is not None):
+        every_query = every_key = True
+        if not unpadded:
+            q_starts, q_lens, k_starts, k_lens = ranges
+            every_query = bool((q_starts == 0).all() & (q_lens == q_len).all())
+            every_key = bool((k_starts == 0).all() & (k_lens == key.shape[2]).all())
         if every_query and q_len <= DECODE_QUERIES and not _wants_grad(query, key, value):
             device = query.device
             lengths, leftpad = key.shape[2], None

@@ -338,37 +338,6 @@ def kvcache_split(
                 partial_stats[split, slot, h, t, 1] = row_sum[hk, r]
 
 
-@njit(parallel=True, fastmath=FASTMATH)
-def kvcache_forward_splits(
-    q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
-    block_n, kind, partial_out, partial_stats,
-):  # fmt: skip
-    """Every (sequence, split) of kvcache_split, in parallel."""
-    splits = partial_out.shape[0]
-    for item in prange(q_rows.shape[0] * splits):
-        b, _, split = split_index(item, 1, splits)
-        kvcache_split(
-            q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant,
-            scale, block_n, kind, partial_out, partial_stats, b, split,
-        )  # fmt: skip
-
-
-@njit(fastmath=FASTMATH)
-def kvcache_forward_serial(
-    q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
-    block_n, kind, partial_out, partial_stats,
-):  # fmt: skip
-    """Every (sequence, split) of kvcache_split on the calling thread: for steps too small
-    to pay for waking numba's threads (see PARALLEL_MIN_BYTES)."""
-    splits = partial_out.shape[0]
-    for item in range(q_rows.shape[0] * splits):
-        b, _, split = split_index(item, 1, splits)
-        kvcache_split(
-            q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant,
-            scale, block_n, kind, partial_out, partial_stats, b, split,
-        )  # fmt: skip
-
-
 @njit(fastmath=FASTMATH)
 def merge_splits(partial_out, partial_stats, variant, out, stats):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2) of the splits' partial softmaxes
@@ -402,6 +371,40 @@ def merge_splits(partial_out, partial_stats, variant, out, stats):
                 row[e] *= inverse
             stats[b, h, t, 0] = largest
             stats[b, h, t, 1] = total
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def kvcache_forward_splits(
+    q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
+    block_n, kind, partial_out, partial_stats, out, stats,
+):  # fmt: skip
+    """Every (sequence, split) of kvcache_split, in parallel, then merge_splits into out
+    and stats (in the same call: a call into numba costs a step ~10 us)."""
+    splits = partial_out.shape[0]
+    for item in prange(q_rows.shape[0] * splits):
+        b, _, split = split_index(item, 1, splits)
+        kvcache_split(
+            q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant,
+            scale, block_n, kind, partial_out, partial_stats, b, split,
+        )  # fmt: skip
+    merge_splits(partial_out, partial_stats, variant, out, stats)
+
+
+@njit(fastmath=FASTMATH)
+def kvcache_forward_serial(
+    q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
+    block_n, kind, partial_out, partial_stats, out, stats,
+):  # fmt: skip
+    """kvcache_forward_splits on the calling thread: for steps too small to pay for waking
+    numba's threads (see PARALLEL_MIN_BYTES)."""
+    splits = partial_out.shape[0]
+    for item in range(q_rows.shape[0] * splits):
+        b, _, split = split_index(item, 1, splits)
+        kvcache_split(
+            q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant,
+            scale, block_n, kind, partial_out, partial_stats, b, split,
+        )  # fmt: skip
+    merge_splits(partial_out, partial_stats, variant, out, stats)
 
 
 def kvcache_splits(inputs: KVCacheInputs, threads: int) -> int:
@@ -512,10 +515,10 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
         variant = lower_variant(inputs)
         table = as_numpy(inputs.block_table.cpu())
         args = (q_rows, k_pages, v_pages, k_scales, v_scales, head_major, table, variant,
-                inputs.scale, DECODE_BLOCK_N, kind, partial_out, partial_stats)  # fmt: skip
+                inputs.scale, DECODE_BLOCK_N, kind, partial_out, partial_stats, out_array,
+                stats_array)  # fmt: skip
         if parallel:
             run_parallel(kvcache_forward_splits, *args)
         else:
             kvcache_forward_serial(*args)
-        merge_splits(partial_out, partial_stats, variant, out_array, stats_array)
     return out.to(inputs.dtype), stats
