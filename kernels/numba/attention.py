@@ -328,7 +328,8 @@ def attention_backward_dq(
 ):  # fmt: skip
     """dq += (and the float mask's gradient dS into dmask, unless it is empty) per query
     tile."""
-    q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]  # launch.any_layout's
+    # launch.any_layout's views:
+    q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]
     q_heads, kv_heads = q.shape[1], k.shape[1]
     group = q_heads // kv_heads
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
@@ -426,7 +427,8 @@ def attention_backward_dkdv(
     block_n,
 ):  # fmt: skip
     """dk, dv += per key tile, summed over every query head of the key/value head's group."""
-    q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]  # launch.any_layout's
+    # launch.any_layout's views:
+    q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]
     kv_heads = k.shape[1]
     kv_tiles = (longest(variant, 4) + block_n - 1) // block_n
     unused = np.zeros((0, 0, 0, 0), np.float32)
@@ -456,7 +458,8 @@ def attention_backward_fused(
     One prange item per (batch, key/value head) owns every query head of its group, so its
     dq updates need no atomics; worth it when there are enough items for the threads.
     """
-    q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]  # launch.any_layout's
+    # launch.any_layout's views:
+    q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]
     kv_heads = k.shape[1]
     softcapped = variant[5] != 0
     for item in prange(variant[4].shape[0] * kv_heads):
