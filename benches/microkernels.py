@@ -9,7 +9,9 @@ Products, a 128-row query tile against a 512-key tile as the forward walks them:
 - PV: acc (128, Ev) += P (128, 512) @ V, V read in place (fp32) or in pairs (bf16);
 - dq: dq (128, E) += dS (128, 512) @ K through gemm_fp32 (the backward's products);
 - dS^T Q: dk (512, E) += dS^T @ Q, A read transposed;
-- QK^T by gemm_fp32 with a transposed B, packed per call (the backward's scores).
+- QK^T by gemm_fp32 with a transposed B, packed per call (the backward's scores);
+- bf16 dO^T P: dv^T (E, 512) += dO^T (E, 128) @ P, P's rows in pairs (the bf16 backward's
+  products over query rows; its others have the forward's shapes).
 
 And a decode step's products, a GQA group of 4 query rows against a tile of 192 keys, as
 `micro_kernel_tile` walks them: the scores by `scores_by_dots` on key rows as they lie, and
@@ -161,6 +163,14 @@ def products(dim, rounds):
     pack_vnni(bits(v16), v_pairs)
     pv16 = ours(KEYS // 2, (bits(p16), 0, KEYS, 1), (v_pairs, 0, 2 * dim, 32), (acc, 0, dim), dim)
     rows.append(("PV", "bf16", flops, pv16, torch_mm(p16, v16)))
+    # The backward's products over query rows, transposed: dV^T (E, 512) += dO^T P, the
+    # rows of P in pairs (dK^T += Q^T dS likewise).
+    q_t, p_pairs = bits(q16.T), np.empty((ROWS // 2, 2 * KEYS), np.uint16)
+    pack_vnni(bits(p16), p_pairs)
+    dv_t = np.zeros((dim, KEYS), np.float32)
+    views = ((q_t, 0, ROWS, 1), (p_pairs, 0, 2 * KEYS, 32), (dv_t, 0, KEYS))
+    dvt16 = median_seconds(lambda n: repeat_product(n, ROWS // 2, *views, dim, KEYS), reps, rounds)
+    rows.append(("dO^T P (E x 512, rows paired)", "bf16", flops, dvt16, torch_mm(q16.T, p16)))
     return rows
 
 

@@ -186,6 +186,19 @@ def test_pack_key_panels_pairs_bf16_keys(keys, dim):
         assert np.array_equal(pairs, expected)
 
 
+@pytest.mark.parametrize("depth", [1, 4, 5])
+def test_pack_vnni_pairs_rows_and_never_reads_past_them(depth):
+    """A shorter sequence than the packing holds (varlen): zeros past its rows, whatever
+    lies after them in memory (here NaN)."""
+    rows = np.full((depth + 8, 3), 0x7FC0, np.uint16)  # bf16 NaN after the sequence
+    rows[:depth] = np.arange(depth * 3, dtype=np.uint16).reshape(depth, 3) + 1
+    pairs = np.full((4, 6), 7, np.uint16)
+    pack_vnni(rows[:depth], pairs)
+    wide = np.zeros((8, 3), np.uint16)
+    wide[:depth] = rows[:depth]
+    assert np.array_equal(pairs, wide.reshape(4, 2, 3).transpose(0, 2, 1).reshape(4, 6))
+
+
 def test_route_follows_numba_target(monkeypatch):
     monkeypatch.delenv("ATTNPERF_NUMBA_TILES", raising=False)
     monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
@@ -215,27 +228,45 @@ def test_tiles_choice_is_checked(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
-def test_forward_at_realistic_size_keeps_the_2x_rule(dtype, causal):
+def test_forward_and_gradients_at_realistic_size_keep_the_2x_rule(dtype, causal):
     """L = 2048 (whole 128 x 512 tiles, many key tiles per row), GQA, E = 64."""
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, 4, 2048, 64, generator=gen).to(dtype)
     k, v = (torch.randn(1, 2, 2048, 64, generator=gen).to(dtype) for _ in range(2))
     call = {"query": q, "key": k, "value": v, "is_causal": causal, "enable_gqa": True}
-    actual = attnperf.attention(**call, backend="numba")
-    exact = float64_reference(**call)
-    baseline = same_precision_reference(**call)
-    assert_agrees(actual, exact, baseline)
+    assert_results_and_gradients_agree(call)
 
 
 @pytest.mark.parametrize("head_dim", [1, 40, 59, 100, 256])
-def test_bf16_forward_keeps_the_2x_rule_at_odd_head_dims(head_dim):
-    """E not a multiple of the vector width (odd E runs on a zero column more)."""
+def test_bf16_forward_and_gradients_keep_the_2x_rule_at_odd_head_dims(head_dim):
+    """E not a multiple of the vector width (odd E runs on a zero column more); odd query
+    rows and keys (a last pair of rows or keys half zero)."""
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 3, 300, head_dim, generator=gen).bfloat16() for _ in range(3))
-    call = {"query": q, "key": k, "value": v, "is_causal": True}
-    actual = attnperf.attention(**call, backend="numba")
-    assert actual.shape == q.shape
-    assert_agrees(actual, float64_reference(**call), same_precision_reference(**call))
+    q = torch.randn(2, 3, 301, head_dim, generator=gen).bfloat16()
+    k, v = (torch.randn(2, 3, 299, head_dim, generator=gen).bfloat16() for _ in range(2))
+    assert_results_and_gradients_agree({"query": q, "key": k, "value": v, "is_causal": True})
+
+
+def assert_results_and_gradients_agree(call):
+    """numba's output and gradients (of sum(out * g)) against the float64 reference's, by
+    the 2x rule against PyTorch's same-precision computation."""
+    runs = {
+        "numba": lambda **c: attnperf.attention(**c, backend="numba"),
+        "exact": float64_reference,
+        "baseline": same_precision_reference,
+    }
+    results = {}
+    for name, run in runs.items():
+        args = {key: value.clone().requires_grad_() for key, value in call.items()
+                if isinstance(value, torch.Tensor)}  # fmt: skip
+        cast = {key: value.double() if name == "exact" else value for key, value in args.items()}
+        out = run(**{**call, **cast})
+        assert out.shape == call["query"].shape[:-1] + call["value"].shape[-1:]
+        gen = torch.Generator().manual_seed(1)
+        (out * torch.randn(out.shape, generator=gen).to(out)).sum().backward()
+        results[name] = {"output": out, **{f"grad of {k}": t.grad for k, t in args.items()}}
+    for what, actual in results["numba"].items():
+        assert_agrees(actual, results["exact"][what], results["baseline"][what], what=what)
 
 
 def test_peaks_follow_the_target(tmp_path):

@@ -18,6 +18,7 @@ from attnperf.testing import assert_agrees, float64_reference, same_precision_re
 pytest.importorskip("numba")
 from attnperf.kernels.numba import attention, blas, fastmath, launch
 from attnperf.kernels.numba.jit import numba
+from attnperf.kernels.numba.microkernels import BF16
 
 if dispatch.registry()["numba"].unavailable_reason():
     pytest.skip(dispatch.registry()["numba"].unavailable_reason(), allow_module_level=True)
@@ -51,29 +52,33 @@ def test_many_tiles_agree_with_float64_reference(case, small_tiles):
         assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("call", ["full", "causal", "variants"])
-def test_fused_and_two_pass_backward_agree(call, small_tiles):
+def test_fused_and_two_pass_backward_agree(call, dtype, small_tiles):
+    """Both schedules (on bf16 tiles for bf16 where the CPU has the bf16 dot product) give
+    the same gradients: fp32 to rounding, bf16 to a rounding of the result."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 300, 32, generator=gen)
-    k, v = (torch.randn(2, 2, 280, 32, generator=gen) for _ in range(2))
-    mask = None if call != "full" else torch.randn(300, 280, generator=gen).requires_grad_()
+    q = torch.randn(2, 4, 301, 32, generator=gen).to(dtype)  # odd rows: a row pair's half
+    k, v = (torch.randn(2, 2, 279, 32, generator=gen).to(dtype) for _ in range(2))
+    mask = None if call != "full" else torch.randn(301, 279, generator=gen).requires_grad_()
     variants = {}
     if call == "variants":
         layout = attnperf.block_mask(lambda b, h, i, j: (i // 40 + j // 24) % 3 != 1, None, 4,
-                                     300, 280, block_size=(16, 32))  # fmt: skip
+                                     301, 279, block_size=(16, 32))  # fmt: skip
         variants = {"window": (50, 7), "align": "bottom_right", "softcap": 3.0,
                     "alibi_slopes": torch.rand(4, generator=gen), "block_mask": layout}  # fmt: skip
     inputs = prepare(q, k, v, attn_mask=mask, is_causal=call == "causal", enable_gqa=True,
                      **variants)  # fmt: skip
     out, lse = attention.numba_attention_forward(inputs)
-    grad_out = torch.randn(out.shape, generator=gen)
+    grad_out = torch.randn(out.shape, generator=gen).to(dtype)
     fused = attention.numba_attention_backward(inputs, out, lse, grad_out, fused=True)
     two_pass = attention.numba_attention_backward(inputs, out, lse, grad_out, fused=False)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
     for name, a, b in zip(("dq", "dk", "dv", "dmask"), fused, two_pass, strict=True):
         if b is None:
             assert a is None, name
             continue
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(a, b, **tolerance, msg=name)
 
 
 @pytest.mark.parametrize("trans_a", [False, True], ids=["a", "a.T"])
@@ -189,6 +194,30 @@ def test_forward_kernels_take_their_arrays_in_any_layout(monkeypatch):
         variant = args[3] if kernel is attention.online_softmax_forward else args[5]
         for array in (*args[:3], variant[0]):
             assert numba.typeof(array).layout == "A", (kernel, numba.typeof(array))
+
+
+def test_bf16_backward_runs_on_bf16_tiles(monkeypatch):
+    """Where the CPU has the bf16 dot product, bf16 gradients come from the bf16 kernels
+    (both schedules), not from fp32 tiles on widened copies."""
+    if attention.forward_kind(prepare(*(torch.ones(1, 1, 1, 2).bfloat16(),) * 3)) != BF16:
+        pytest.skip("no AVX512-BF16 in numba's target: bf16 runs widened to fp32 tiles")
+    launched = []
+
+    def run_parallel(kernel, *args):
+        launched.append(kernel)
+        launch.run_parallel(kernel, *args)
+
+    monkeypatch.setattr(attention, "run_parallel", run_parallel)
+    inputs = prepare(*(torch.randn(1, 2, 64, 16).bfloat16() for _ in range(3)))
+    out, stats = attention.numba_attention_forward(inputs)
+    for fused in (True, False):
+        attention.numba_attention_backward(inputs, out, stats, torch.ones_like(out), fused=fused)
+    bf16_kernels = {attention.bf16_backward_dq, attention.bf16_backward_dkdv,
+                    attention.bf16_backward_fused}  # fmt: skip
+    assert bf16_kernels <= set(launched)
+    fp32_kernels = {attention.attention_backward_dq, attention.attention_backward_dkdv,
+                    attention.attention_backward_fused}  # fmt: skip
+    assert not fp32_kernels & set(launched)
 
 
 @pytest.mark.parametrize(

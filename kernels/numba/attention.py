@@ -295,6 +295,13 @@ def probabilities(q_tile, k_tile, p, dtanh, variant, b, h, i0, j0, structure, sc
     rows, cols = q_tile.shape[0], k_tile.shape[0]
     product_with_transposed(q_tile, k_tile, key_panels, b, hk, j0, p[:rows, :cols], scale2,
                             variant[13])  # fmt: skip
+    scores_to_probabilities(p, dtanh, variant, b, h, i0, j0, rows, cols, structure, stats)
+
+
+@njit(fastmath=FASTMATH)
+def scores_to_probabilities(p, dtanh, variant, b, h, i0, j0, rows, cols, structure, stats):
+    """p[:rows, :cols] <- P from the scores there (times log2 e): the variant's
+    modifications, then 2 ** (s - max) / sum by the rows' saved stats (`probabilities`)."""
     modify_scores(p, variant, b, h, i0, j0, rows, cols, structure, dtanh)
     for r in range(rows):
         total = stats[i0 + r, 1]
@@ -476,6 +483,250 @@ def attention_backward_fused(
             )  # fmt: skip
 
 
+# The backward on bf16 tiles: every product's operands bf16, accumulation fp32, P and dS
+# rounded to bf16 before the products that take them (FlashAttention's practice; PyTorch's
+# CPU kernel rounds them too). The products over query rows run transposed, dV^T += dO^T P
+# and dK^T += Q^T dS: their A operands, dO^T and Q^T, are packed once per call, and P and
+# dS go to bf16 in pairs of rows (`pair_rows`) at the cost of rounding them. The transposes
+# dV^T and dK^T of a key tile are added to dv and dk once, when its walk ends.
+
+
+@njit(fastmath=FASTMATH)
+def rows_view(x, slot, h, row):
+    """x[slot, h, row:] as a micro-kernel's A (or C, without the last field) view: (x,
+    offset, row stride, 1) in elements; rows of unit stride."""
+    unit = x.itemsize
+    at = (slot * x.strides[0] + h * x.strides[1] + row * x.strides[2]) // unit
+    return x, at, x.strides[2] // unit, 1
+
+
+@njit(fastmath=FASTMATH)
+def panels_view(panels, b, hk, j0):
+    """Keys j0.. of head hk of sequence b in `pack_key_panels`' panels (NS, Hk, S16,
+    depth, w) as a micro-kernel's B view: X^T of those keys."""
+    size = panels.shape[3] * panels.shape[4]
+    at = ((b * panels.shape[1] + hk) * panels.shape[2] + j0 // LANES) * size
+    return panels, at, panels.shape[4], size
+
+
+@njit(fastmath=FASTMATH)
+def pairs_view(pairs, b, hk, j0):
+    """Keys j0.. (even) of head hk of sequence b in `pack_vnni`'s key pairs (NS, Hk,
+    ceil(S / 2), 2 E) as a micro-kernel's B view: those keys' rows, paired."""
+    at = ((b * pairs.shape[1] + hk) * pairs.shape[2] + j0 // 2) * pairs.shape[3]
+    return pairs, at, pairs.shape[3], 2 * LANES
+
+
+@njit(fastmath=FASTMATH)
+def transposed_view(x_t, b, h, i0):
+    """Rows i0.. of head h of sequence b in a transposed pack (NS, H, E, L + 1) as a
+    micro-kernel's A view: X^T, its depth (the rows) in pairs."""
+    at = (b * x_t.shape[1] + h) * x_t.shape[2] * x_t.shape[3] + i0
+    return x_t, at, x_t.shape[3], 1
+
+
+@njit(fastmath=FASTMATH)
+def pair_rows(x, rows, cols, pairs):
+    """pairs[:ceil(rows / 2), :2 cols] <- x[:rows, :cols] rounded to bf16, its rows in
+    pairs (the VNNI layout over rows): pairs[d, 2 c + u] = x[2 d + u, c], a zero row after
+    an odd last one."""
+    for d in range((rows + 1) // 2):
+        top, out = x[2 * d], pairs[d]
+        if 2 * d + 1 < rows:
+            bottom = x[2 * d + 1]
+            for c in range(cols):
+                out[2 * c] = to_bf16(top[c])
+                out[2 * c + 1] = to_bf16(bottom[c])
+        else:
+            for c in range(cols):
+                out[2 * c] = to_bf16(top[c])
+                out[2 * c + 1] = 0
+
+
+@njit(fastmath=FASTMATH)
+def transpose_rows(src, dst):
+    """dst[:cols] <- src (rows, cols) transposed, zeros past its rows."""
+    rows, cols = src.shape
+    for r0 in range(0, rows, LANES):  # 16 rows at a time: dst's lines stay in cache
+        for c in range(cols):
+            for r in range(r0, min(r0 + LANES, rows)):
+                dst[c, r] = src[r, c]
+    dst[:, rows:] = 0
+
+
+@njit(fastmath=FASTMATH)
+def add_transposed(src, dst):
+    """dst (cols, E) += src (E, cols) transposed."""
+    for c in range(dst.shape[0]):
+        for e in range(dst.shape[1]):
+            dst[c, e] += src[e, c]
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def pack_bf16_backward(q_any, k_any, v_any, do_any, variant, operands):
+    """operands (key panels, value panels, key pairs, Q^T, dO^T) <- per sequence: K and V
+    in panels (S = Q K^T, dP = dO V^T; `pack_key_panels`), K in pairs of keys (dQ = dS K;
+    `pack_vnni`), Q and dO transposed (NS, Hq, E, L + 1: the A operands of dK^T and dV^T,
+    zeros past the rows for an odd last pair)."""
+    q, k, v, do = q_any[0], k_any[0], v_any[0], do_any[0]  # launch.any_layout's views
+    key_panels, value_panels, key_pairs, q_t, do_t = operands
+    kv_heads, q_heads = k.shape[1], q.shape[1]
+    for item in prange(variant[4].shape[0] * kv_heads):
+        b, hk, _ = split_index(item, kv_heads, 1)
+        slot, _, _, k0, kv_len = sequence(variant, b)
+        keys = slice(k0, k0 + kv_len)
+        pack_key_panels(k[slot, hk, keys], key_panels[b, hk])
+        pack_key_panels(v[slot, hk, keys], value_panels[b, hk])
+        pack_vnni(k[slot, hk, keys], key_pairs[b, hk])
+    for item in prange(variant[4].shape[0] * q_heads):
+        b, h, _ = split_index(item, q_heads, 1)
+        slot, q0, q_len, _, _ = sequence(variant, b)
+        transpose_rows(q[slot, h, q0 : q0 + q_len], q_t[b, h])
+        transpose_rows(do[slot, h, q0 : q0 + q_len], do_t[b, h])
+
+
+@njit(fastmath=FASTMATH)
+def bf16_score_gradients(q, grad_out, operands, variant, scale2, stats, delta, dmask, b, h,
+                         i0, rows, j0, cols, structure, p, ds, dtanh, want_dmask):  # fmt: skip
+    """p <- P and ds <- dS (through the softcap; into dmask too with `want_dmask`) of query
+    rows i0.. and keys j0.. of head h of sequence b: S = Q K^T and dP = dO V^T on bf16
+    tiles against the packed panels."""
+    key_panels, value_panels = operands[0], operands[1]
+    hk = h // (q.shape[1] // key_panels.shape[1])
+    slot, q0, q_len, _, _ = sequence(variant, b)
+    keys, values = panels_view(key_panels, b, hk, j0), panels_view(value_panels, b, hk, j0)
+    q_rows, do_rows = rows_view(q, slot, h, q0 + i0), rows_view(grad_out, slot, h, q0 + i0)
+    tile_product(key_panels.shape[3], scale2, ZERO, q_rows, keys, (p, 0, p.shape[1]), rows, cols)
+    scores_to_probabilities(p, dtanh, variant, b, h, i0, j0, rows, cols, structure,
+                            stats[slot, h, q0 : q0 + q_len])  # fmt: skip
+    tile_product(value_panels.shape[3], ONE, ZERO, do_rows, values, (ds, 0, ds.shape[1]), rows,
+                 cols)  # fmt: skip
+    score_gradients(p, ds, delta[slot, h, q0 + i0 : q0 + i0 + rows], rows, cols)
+    if want_dmask:  # plain calls only: slot b, no row offsets
+        dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds[:rows, :cols]
+    if variant[5] != 0:
+        through_softcap(ds, dtanh, rows, cols)
+
+
+@njit(fastmath=FASTMATH)
+def bf16_add_dq(ds, ds16, rows, cols, key_pairs, b, hk, j0, dq, slot, h, row, scale):
+    """dq[slot, h, row:row + rows] += scale dS K (keys j0..), dS rounded to bf16."""
+    round_probabilities(ds, ds16, rows, cols)
+    ds_view, dq_view = (ds16, 0, ds16.shape[1], 1), rows_view(dq, slot, h, row)[:3]
+    keys = pairs_view(key_pairs, b, hk, j0)
+    dim = key_pairs.shape[3] // 2
+    tile_product((cols + 1) // 2, scale, ONE, ds_view, keys, dq_view, rows, dim)
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def bf16_backward_dq(q_any, do_any, operands, variant, scale, stats, delta, dq, dmask, block_m,
+                     block_n):  # fmt: skip
+    """`attention_backward_dq` on bf16 tiles (`pack_bf16_backward`'s operands)."""
+    q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
+    key_pairs = operands[2]
+    q_heads = q.shape[1]
+    group = q_heads // key_pairs.shape[1]
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
+    scale2, scale32 = np.float32(scale * LOG2E), np.float32(scale)
+    want_dmask = dmask.shape[0] > 0
+    for item in prange(variant[4].shape[0] * q_heads * q_tiles):
+        b, h, tile = split_index(item, q_heads, q_tiles)
+        slot, q0, q_len, _, kv_len = sequence(variant, b)
+        i0 = tile * block_m
+        rows = min(block_m, q_len - i0)
+        if rows <= 0:  # past this sequence's end
+            continue
+        p = np.empty((rows, block_n), np.float32)
+        ds = np.empty((rows, block_n), np.float32)
+        dtanh = np.empty((rows if variant[5] != 0 else 0, block_n), np.float32)
+        ds16 = np.empty((rows, block_n + 1), np.uint16)
+        for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+            bf16_score_gradients(
+                q, grad_out, operands, variant, scale2, stats, delta, dmask, b, h, i0, rows, j0,
+                cols, structure, p, ds, dtanh, want_dmask,
+            )  # fmt: skip
+            bf16_add_dq(ds, ds16, rows, cols, key_pairs, b, h // group, j0, dq, slot, h,
+                        q0 + i0, scale32)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, dq, dk, dv,
+                            dmask, b, hk, j0, cols, block_m, with_dq):  # fmt: skip
+    """`key_tile_gradients` on bf16 tiles (`pack_bf16_backward`'s operands)."""
+    key_pairs, q_t, do_t = operands[2], operands[3], operands[4]
+    group = q.shape[1] // key_pairs.shape[1]
+    scale2, scale32 = np.float32(scale * LOG2E), np.float32(scale)
+    want_dmask = with_dq and dmask.shape[0] > 0
+    slot, q0, q_len, k0, _ = sequence(variant, b)
+    p = np.empty((block_m, cols), np.float32)
+    ds = np.empty((block_m, cols), np.float32)
+    dtanh = np.empty((block_m if variant[5] != 0 else 0, cols), np.float32)
+    p_pairs = np.empty(((block_m + 1) // 2, 2 * cols), np.uint16)
+    ds_pairs = np.empty(((block_m + 1) // 2, 2 * cols), np.uint16)
+    ds16 = np.empty((block_m if with_dq else 0, cols + 1), np.uint16)
+    dk_t = np.zeros((q_t.shape[2], cols), np.float32)
+    dv_t = np.zeros((do_t.shape[2], cols), np.float32)
+    first, end = query_range(variant, b, j0, cols, q_len)
+    for h in range(hk * group, (hk + 1) * group):
+        for i0 in range(first, end, block_m):
+            rows = min(block_m, end - i0)
+            structure = tile_structure(variant, b, h, i0, rows, j0, cols)
+            if structure == SKIP:
+                continue
+            bf16_score_gradients(
+                q, grad_out, operands, variant, scale2, stats, delta, dmask, b, h, i0, rows, j0,
+                cols, structure, p, ds, dtanh, want_dmask,
+            )  # fmt: skip
+            row_pairs = (rows + 1) // 2
+            pair_rows(p, rows, cols, p_pairs)
+            p_view, dv_view = (p_pairs, 0, 2 * cols, 2 * LANES), (dv_t, 0, cols)
+            do_t_view = transposed_view(do_t, b, h, i0)
+            tile_product(row_pairs, ONE, ONE, do_t_view, p_view, dv_view, dv_t.shape[0], cols)
+            pair_rows(ds, rows, cols, ds_pairs)
+            ds_view, dk_view = (ds_pairs, 0, 2 * cols, 2 * LANES), (dk_t, 0, cols)
+            q_t_view = transposed_view(q_t, b, h, i0)
+            tile_product(row_pairs, scale32, ONE, q_t_view, ds_view, dk_view, dk_t.shape[0], cols)
+            if with_dq:
+                bf16_add_dq(ds, ds16, rows, cols, key_pairs, b, hk, j0, dq, slot, h, q0 + i0,
+                            scale32)  # fmt: skip
+    keys = slice(k0 + j0, k0 + j0 + cols)
+    add_transposed(dk_t, dk[slot, hk, keys])
+    add_transposed(dv_t, dv[slot, hk, keys])
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def bf16_backward_dkdv(q_any, do_any, operands, variant, scale, stats, delta, dk, dv, block_m,
+                       block_n):  # fmt: skip
+    """`attention_backward_dkdv` on bf16 tiles."""
+    q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
+    kv_heads = operands[2].shape[1]
+    kv_tiles = (longest(variant, 4) + block_n - 1) // block_n
+    unused = np.zeros((0, 0, 0, 0), np.float32)
+    for item in prange(variant[4].shape[0] * kv_heads * kv_tiles):
+        b, hk, tile = split_index(item, kv_heads, kv_tiles)
+        j0 = tile * block_n
+        cols = min(block_n, variant[4][b, 4] - j0)
+        if cols <= 0:  # past this sequence's end
+            continue
+        bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, unused, dk,
+                                dv, unused, b, hk, j0, cols, block_m, False)  # fmt: skip
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def bf16_backward_fused(q_any, do_any, operands, variant, scale, stats, delta, dq, dk, dv,
+                        dmask, block_m, block_n):  # fmt: skip
+    """`attention_backward_fused` on bf16 tiles."""
+    q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
+    kv_heads = operands[2].shape[1]
+    for item in prange(variant[4].shape[0] * kv_heads):
+        b, hk, _ = split_index(item, kv_heads, 1)
+        kv_len = variant[4][b, 4]
+        for j0 in range(0, kv_len, block_n):
+            bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, dq, dk,
+                                    dv, dmask, b, hk, j0, min(block_n, kv_len - j0), block_m,
+                                    True)  # fmt: skip
+
+
 @njit(parallel=True, fastmath=FASTMATH)
 def softmax_delta(out, grad_out, stats, grad_lse, delta):
     """delta (B, Hq, L) <- FlashAttention-2's rowsum(dO * O) - dLSE (`grad_lse` empty: no
@@ -602,6 +853,23 @@ def transposed_panels(k, v, variant) -> tuple[np.ndarray, np.ndarray]:
     return packed[0], packed[1]
 
 
+def bf16_backward_operands(q, k, v, do, variant) -> tuple[np.ndarray, ...]:
+    """`pack_bf16_backward`'s operands, packed: (key panels, value panels, key pairs, Q^T,
+    dO^T) from bf16 bits of even E."""
+    count, q_heads, kv_heads = variant[4].shape[0], q.shape[1], k.shape[1]
+    longest_keys, longest_queries = longest_in_table(variant, 4), longest_in_table(variant, 2)
+    panels = (longest_keys + LANES - 1) // LANES
+    operands = (
+        np.empty((count, kv_heads, panels, k.shape[3] // 2, 2 * LANES), np.uint16),
+        np.empty((count, kv_heads, panels, v.shape[3] // 2, 2 * LANES), np.uint16),
+        np.empty((count, kv_heads, (longest_keys + 1) // 2, 2 * k.shape[3]), np.uint16),
+        np.empty((count, q_heads, q.shape[3], longest_queries + 1), np.uint16),
+        np.empty((count, q_heads, do.shape[3], longest_queries + 1), np.uint16),
+    )
+    run_parallel(pack_bf16_backward, *map(any_layout, (q, k, v, do)), variant, operands)
+    return operands
+
+
 def fused_backward_pays(items: int, threads: int) -> bool:
     """Whether the one-pass backward beats the two passes for `items` (batch, kv head) pairs.
 
@@ -621,15 +889,22 @@ def numba_attention_backward(
     grad_lse: Tensor | None = None,
     fused: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """(dq, dk, dv, dmask or None) in the inputs' dtypes, by FlashAttention-2 recomputation;
-    `grad_lse` (B, Hq, L), the LSE's gradient, only shifts delta = rowsum(dO * O).
+    """(dq, dk, dv, dmask or None) in the inputs' dtypes, by FlashAttention-2 recomputation:
+    on bf16 tiles for bf16 inputs where the forward runs on them (`forward_kind`), P and dS
+    rounded to bf16 there, else on fp32 tiles. `grad_lse` (B, Hq, L), the LSE's gradient,
+    only shifts delta = rowsum(dO * O).
 
     `fused`: one pass over (batch, kv head) items, or a dq pass and a dk/dv pass over tiles;
     None picks the fused pass where it pays (`fused_backward_pays`).
     """
-    q, k, v = as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
+    bf16 = forward_kind(inputs) == BF16
+    if bf16:  # on bf16 tiles: the bits (E even), dO in bf16 as FlashAttention takes it
+        grad_out = grad_out.to(torch.bfloat16)
+        q, k, v, do = map(bf16_bits, (inputs.query, inputs.key, inputs.value, grad_out))
+    else:
+        q, k, v = as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
+        do = as_fp32(grad_out)
     variant = lower_variant(inputs)
-    do = as_fp32(grad_out)
     stats = as_numpy(stats.contiguous())
     no_lse = np.zeros((0, 0, 0), np.float32)
     lse_grad = no_lse if grad_lse is None else as_numpy(grad_lse.detach().float().contiguous())
@@ -647,15 +922,29 @@ def numba_attention_backward(
             inputs.sequence_count * inputs.kv_heads, torch.get_num_threads()
         )
     if inputs.has_pairs:
-        run_parallel(softmax_delta, as_fp32(out), do, stats, lse_grad, delta)
-        common = (*map(any_layout, (q, k, v)), transposed_panels(k, v, variant), variant,
-                  inputs.scale, stats, any_layout(do), delta)  # fmt: skip
+        do_fp32 = as_fp32(grad_out) if bf16 else do
+        run_parallel(softmax_delta, as_fp32(out), do_fp32, stats, lse_grad, delta)
         blocks = tile_sizes(inputs, backward=True)
-        if fused:
-            grads = dq_array, dk_array, dv_array, dmask_array
-            run_parallel(attention_backward_fused, *common, *grads, *blocks)
+        if bf16:
+            common = (any_layout(q), any_layout(do), bf16_backward_operands(q, k, v, do, variant),
+                      variant, inputs.scale, stats, delta)  # fmt: skip
+            if fused:
+                run_parallel(bf16_backward_fused, *common, dq_array, dk_array, dv_array,
+                             dmask_array, *blocks)  # fmt: skip
+            else:
+                run_parallel(bf16_backward_dq, *common, dq_array, dmask_array, *blocks)
+                run_parallel(bf16_backward_dkdv, *common, dk_array, dv_array, *blocks)
         else:
-            run_parallel(attention_backward_dq, *common, dq_array, dmask_array, *blocks)
-            run_parallel(attention_backward_dkdv, *common, dk_array, dv_array, *blocks)
+            common = (*map(any_layout, (q, k, v)), transposed_panels(k, v, variant), variant,
+                      inputs.scale, stats, any_layout(do), delta)  # fmt: skip
+            if fused:
+                grads = dq_array, dk_array, dv_array, dmask_array
+                run_parallel(attention_backward_fused, *common, *grads, *blocks)
+            else:
+                run_parallel(attention_backward_dq, *common, dq_array, dmask_array, *blocks)
+                run_parallel(attention_backward_dkdv, *common, dk_array, dv_array, *blocks)
+    if bf16:  # an odd E ran on a zero column more
+        dq, dk = dq[..., : inputs.head_dim], dk[..., : inputs.head_dim]
+        dv = dv[..., : inputs.value_dim]
     dmask = dmask.to(inputs.attn_mask.dtype) if want_dmask else None
     return dq.to(inputs.dtype), dk.to(inputs.dtype), dv.to(inputs.dtype), dmask

@@ -86,7 +86,7 @@ def tile_route(kind: str) -> tuple[str, str]:
         raise ValueError(f"ATTNPERF_NUMBA_TILES must be one of {TILE_CHOICES}, got {choice!r}")
     features = target_features()
     if kind == "bf16" and "avx512bf16" in features:
-        why = "AVX512-BF16: our vdpbf16ps micro-kernels in the forward, the backward widened"
+        why = "AVX512-BF16: our vdpbf16ps micro-kernels, forward and backward"
         if "amx-bf16" in features:
             why += " (AMX present; its brgemm route is not built yet)"
         return "avx512-bf16", why
@@ -786,9 +786,14 @@ def pack_vnni(src, dst):
     2 j + u] = src[2 d + u, j], zeros past depth."""
     depth, cols = src.shape
     for d in range(dst.shape[0]):
-        for j in range(cols):
-            dst[d, 2 * j] = src[2 * d, j]
-            dst[d, 2 * j + 1] = src[2 * d + 1, j] if 2 * d + 1 < depth else 0
+        for u in range(2):
+            row = 2 * d + u
+            if row < depth:  # a shorter sequence than dst holds: never read past its rows
+                for j in range(cols):
+                    dst[d, 2 * j + u] = src[row, j]
+            else:
+                for j in range(cols):
+                    dst[d, 2 * j + u] = 0
 
 
 PEAK_ACCUMULATORS = 12  # independent chains: enough to cover the FMA latency of two pipes
