@@ -264,7 +264,8 @@ def assert_results_and_gradients_agree(call):
         assert out.shape == call["query"].shape[:-1] + call["value"].shape[-1:]
         gen = torch.Generator().manual_seed(1)
         (out * torch.randn(out.shape, generator=gen).to(out)).sum().backward()
-        results[name] = {"output": out, **{f"grad of {k}": t.grad for k, t in args.items()}}
+        grads = {f"grad of {arg}": tensor.grad for arg, tensor in args.items()}
+        results[name] = {"output": out, **grads}
     for what, actual in results["numba"].items():
         assert_agrees(actual, results["exact"][what], results["baseline"][what], what=what)
 
