@@ -171,6 +171,41 @@ def round_probabilities(p, p16, rows, cols):
 
 
 @njit(fastmath=FASTMATH)
+def rows_view(x, slot, h, row):
+    """x[slot, h, row:] as a micro-kernel's A view: (x, offset, row stride, 1) in elements;
+    rows of unit stride."""
+    unit = x.itemsize
+    at = (slot * x.strides[0] + h * x.strides[1] + row * x.strides[2]) // unit
+    return x, at, x.strides[2] // unit, 1
+
+
+@njit(fastmath=FASTMATH)
+def panels_view(panels, b, hk, j0):
+    """Keys j0.. of head hk of sequence b in `pack_key_panels`' panels (NS, Hk, S16,
+    depth, w) as a micro-kernel's B view: X^T of those keys."""
+    size = panels.shape[3] * panels.shape[4]
+    at = ((b * panels.shape[1] + hk) * panels.shape[2] + j0 // LANES) * size
+    return panels, at, panels.shape[4], size
+
+
+@njit(fastmath=FASTMATH)
+def pairs_view(pairs, b, hk, j0):
+    """Keys j0.. (even) of head hk of sequence b in `pack_vnni`'s key pairs (NS, Hk,
+    ceil(S / 2), 2 E) as a micro-kernel's B view: those keys' rows, paired. Views here are
+    of 2-D arrays, as the forward's P V takes them: one compiled product serves both."""
+    head = pairs[b, hk]
+    return head, j0 // 2 * head.shape[1], head.shape[1], 2 * LANES
+
+
+@njit(fastmath=FASTMATH)
+def transposed_view(x_t, b, h, i0):
+    """Rows i0.. of head h of sequence b in a transposed pack (NS, H, E, L + 1) as a
+    micro-kernel's A view: X^T, its depth (the rows) in pairs."""
+    head = x_t[b, h]
+    return head, i0, head.shape[1], 1
+
+
+@njit(fastmath=FASTMATH)
 def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
                       block_n, item):  # fmt: skip
     """Item (sequence, query head, query tile) of `packed_forward`."""
@@ -179,10 +214,8 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     group = q_heads // kv_heads
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     scale2 = np.float32(scale * LOG2E)
-    depth, panel_size = key_panels.shape[3], key_panels.shape[3] * key_panels.shape[4]
-    q_strides = (q.strides[0] // q.itemsize, q.strides[1] // q.itemsize, q.strides[2] // q.itemsize)
+    depth = key_panels.shape[3]
     v_strides = (v.strides[0] // v.itemsize, v.strides[1] // v.itemsize, v.strides[2] // v.itemsize)
-    panels = key_panels.shape[2]
     b, h, tile = split_index(item, q_heads, q_tiles)
     slot, q0, q_len, k0, kv_len = sequence(variant, b)
     i0 = tile * block_m
@@ -195,20 +228,17 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     s, acc, row_max, row_sum, shift = softmax_state(rows, width, value_dim)
     p16 = np.empty((rows, width + 1 if bf16 else 0), np.uint16)
     hk = h // group
-    q_at = slot * q_strides[0] + h * q_strides[1] + (q0 + i0) * q_strides[2]
-    q_view = (q, q_at, q_strides[2], 1)
+    q_view = rows_view(q, slot, h, q0 + i0)
     acc_view = (acc, 0, value_dim)
     no_dtanh = np.empty((0, 0), np.float32)
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-        keys_at = ((b * kv_heads + hk) * panels + j0 // LANES) * panel_size
-        keys_view = (key_panels, keys_at, key_panels.shape[4], panel_size)
+        keys_view = panels_view(key_panels, b, hk, j0)
         tile_product(depth, scale2, ZERO, q_view, keys_view, (s, 0, width), rows, cols)
         modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
         online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
         if bf16:
             round_probabilities(s, p16, rows, cols)
-            pairs_at = (b * kv_heads + hk) * value_pairs.shape[2] + j0 // 2
-            values_view = (value_pairs, pairs_at * 2 * value_dim, 2 * value_dim, 2 * LANES)
+            values_view = pairs_view(value_pairs, b, hk, j0)
             p_view = (p16, 0, width + 1, 1)
             tile_product((cols + 1) // 2, ONE, ONE, p_view, values_view, acc_view, rows, value_dim)
         else:
@@ -492,40 +522,6 @@ def attention_backward_fused(
 
 
 @njit(fastmath=FASTMATH)
-def rows_view(x, slot, h, row):
-    """x[slot, h, row:] as a micro-kernel's A (or C, without the last field) view: (x,
-    offset, row stride, 1) in elements; rows of unit stride."""
-    unit = x.itemsize
-    at = (slot * x.strides[0] + h * x.strides[1] + row * x.strides[2]) // unit
-    return x, at, x.strides[2] // unit, 1
-
-
-@njit(fastmath=FASTMATH)
-def panels_view(panels, b, hk, j0):
-    """Keys j0.. of head hk of sequence b in `pack_key_panels`' panels (NS, Hk, S16,
-    depth, w) as a micro-kernel's B view: X^T of those keys."""
-    size = panels.shape[3] * panels.shape[4]
-    at = ((b * panels.shape[1] + hk) * panels.shape[2] + j0 // LANES) * size
-    return panels, at, panels.shape[4], size
-
-
-@njit(fastmath=FASTMATH)
-def pairs_view(pairs, b, hk, j0):
-    """Keys j0.. (even) of head hk of sequence b in `pack_vnni`'s key pairs (NS, Hk,
-    ceil(S / 2), 2 E) as a micro-kernel's B view: those keys' rows, paired."""
-    at = ((b * pairs.shape[1] + hk) * pairs.shape[2] + j0 // 2) * pairs.shape[3]
-    return pairs, at, pairs.shape[3], 2 * LANES
-
-
-@njit(fastmath=FASTMATH)
-def transposed_view(x_t, b, h, i0):
-    """Rows i0.. of head h of sequence b in a transposed pack (NS, H, E, L + 1) as a
-    micro-kernel's A view: X^T, its depth (the rows) in pairs."""
-    at = (b * x_t.shape[1] + h) * x_t.shape[2] * x_t.shape[3] + i0
-    return x_t, at, x_t.shape[3], 1
-
-
-@njit(fastmath=FASTMATH)
 def pair_rows(x, rows, cols, pairs):
     """pairs[:ceil(rows / 2), :2 cols] <- x[:rows, :cols] rounded to bf16, its rows in
     pairs (the VNNI layout over rows): pairs[d, 2 c + u] = x[2 d + u, c], a zero row after
@@ -612,7 +608,9 @@ def bf16_score_gradients(q, grad_out, operands, variant, scale2, stats, delta, d
 def bf16_add_dq(ds, ds16, rows, cols, key_pairs, b, hk, j0, dq, slot, h, row, scale):
     """dq[slot, h, row:row + rows] += scale dS K (keys j0..), dS rounded to bf16."""
     round_probabilities(ds, ds16, rows, cols)
-    ds_view, dq_view = (ds16, 0, ds16.shape[1], 1), rows_view(dq, slot, h, row)[:3]
+    rows_of_dq = dq[slot, h]
+    ds_view, dq_view = (ds16, 0, ds16.shape[1], 1), (rows_of_dq, row * rows_of_dq.shape[1],
+                                                      rows_of_dq.shape[1])  # fmt: skip
     keys = pairs_view(key_pairs, b, hk, j0)
     dim = key_pairs.shape[3] // 2
     tile_product((cols + 1) // 2, scale, ONE, ds_view, keys, dq_view, rows, dim)
