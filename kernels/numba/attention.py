@@ -183,9 +183,9 @@ def rows_view(x, slot, h, row):
 def panels_view(panels, b, hk, j0):
     """Keys j0.. of head hk of sequence b in `pack_key_panels`' panels (NS, Hk, S16,
     depth, w) as a micro-kernel's B view: X^T of those keys."""
-    size = panels.shape[3] * panels.shape[4]
-    at = ((b * panels.shape[1] + hk) * panels.shape[2] + j0 // LANES) * size
-    return panels, at, panels.shape[4], size
+    head = panels[b, hk]
+    size = head.shape[1] * head.shape[2]
+    return head, j0 // LANES * size, head.shape[2], size
 
 
 @njit(fastmath=FASTMATH)
@@ -215,7 +215,6 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     scale2 = np.float32(scale * LOG2E)
     depth = key_panels.shape[3]
-    v_strides = (v.strides[0] // v.itemsize, v.strides[1] // v.itemsize, v.strides[2] // v.itemsize)
     b, h, tile = split_index(item, q_heads, q_tiles)
     slot, q0, q_len, k0, kv_len = sequence(variant, b)
     i0 = tile * block_m
@@ -242,8 +241,8 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
             p_view = (p16, 0, width + 1, 1)
             tile_product((cols + 1) // 2, ONE, ONE, p_view, values_view, acc_view, rows, value_dim)
         else:
-            v_at = slot * v_strides[0] + hk * v_strides[1] + (k0 + j0) * v_strides[2]
-            values_view = (v, v_at, v_strides[2], LANES)
+            _, v_at, v_row, _ = rows_view(v, slot, hk, k0 + j0)  # V in place: B's rows
+            values_view = (v, v_at, v_row, LANES)
             tile_product(cols, ONE, ONE, (s, 0, width, 1), values_view, acc_view, rows, value_dim)
     finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, out, stats)
 
@@ -290,14 +289,11 @@ def product_with_transposed(a, x_tile, panels, b, hk, j0, out, alpha, tiles):
     if panels.shape[0] == 0:
         product(a, x_tile, out, alpha, 0.0, False, True, tiles)
         return
-    depth = panels.shape[3]
-    size = depth * LANES
     a_view = (a, 0, a.strides[0] // 4, 1)
-    x_view = (panels[b, hk], j0 // LANES * size, LANES, size)
+    x_view = panels_view(panels, b, hk, j0)
     out_view = (out, 0, out.strides[0] // 4)
-    tile_product(
-        depth, np.float32(alpha), ZERO, a_view, x_view, out_view, a.shape[0], x_tile.shape[0]
-    )
+    tile_product(panels.shape[3], np.float32(alpha), ZERO, a_view, x_view, out_view, a.shape[0],
+                 x_tile.shape[0])  # fmt: skip
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -648,22 +644,35 @@ def bf16_backward_dq(q_any, do_any, operands, variant, scale, stats, delta, dq, 
 
 
 @njit(fastmath=FASTMATH)
+def bf16_tile_buffers(operands, variant, block_m, block_n):
+    """`bf16_key_tile_gradients`' scratch for key tiles of up to block_n keys, one set per
+    work item: P, dS and the softcap's factor (fp32), P and dS in pairs of rows and dS
+    rounded (bf16), a key tile's dK^T and dV^T (fp32)."""
+    f32, row_pairs = np.float32, (block_m + 1) // 2
+    return (
+        np.empty((block_m, block_n), f32), np.empty((block_m, block_n), f32),
+        np.empty((block_m if variant[5] != 0 else 0, block_n), f32),
+        np.empty((row_pairs, 2 * block_n), np.uint16),
+        np.empty((row_pairs, 2 * block_n), np.uint16),
+        np.empty((block_m, block_n + 1), np.uint16),
+        np.empty((operands[3].shape[2], block_n), f32),
+        np.empty((operands[4].shape[2], block_n), f32),
+    )  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
 def bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, dq, dk, dv,
-                            dmask, b, hk, j0, cols, block_m, with_dq):  # fmt: skip
-    """`key_tile_gradients` on bf16 tiles (`pack_bf16_backward`'s operands)."""
+                            dmask, b, hk, j0, cols, block_m, buffers, with_dq):  # fmt: skip
+    """`key_tile_gradients` on bf16 tiles (`pack_bf16_backward`'s operands, in
+    `bf16_tile_buffers`)."""
     key_pairs, q_t, do_t = operands[2], operands[3], operands[4]
+    p, ds, dtanh, p_pairs, ds_pairs, ds16, dk_t, dv_t = buffers
     group = q.shape[1] // key_pairs.shape[1]
     scale2, scale32 = np.float32(scale * LOG2E), np.float32(scale)
     want_dmask = with_dq and dmask.shape[0] > 0
     slot, q0, q_len, k0, _ = sequence(variant, b)
-    p = np.empty((block_m, cols), np.float32)
-    ds = np.empty((block_m, cols), np.float32)
-    dtanh = np.empty((block_m if variant[5] != 0 else 0, cols), np.float32)
-    p_pairs = np.empty(((block_m + 1) // 2, 2 * cols), np.uint16)
-    ds_pairs = np.empty(((block_m + 1) // 2, 2 * cols), np.uint16)
-    ds16 = np.empty((block_m if with_dq else 0, cols + 1), np.uint16)
-    dk_t = np.zeros((q_t.shape[2], cols), np.float32)
-    dv_t = np.zeros((do_t.shape[2], cols), np.float32)
+    dk_t[:, :cols] = 0.0
+    dv_t[:, :cols] = 0.0
     first, end = query_range(variant, b, j0, cols, q_len)
     for h in range(hk * group, (hk + 1) * group):
         for i0 in range(first, end, block_m):
@@ -677,11 +686,11 @@ def bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta,
             )  # fmt: skip
             row_pairs = (rows + 1) // 2
             pair_rows(p, rows, cols, p_pairs)
-            p_view, dv_view = (p_pairs, 0, 2 * cols, 2 * LANES), (dv_t, 0, cols)
+            p_view, dv_view = (p_pairs, 0, p_pairs.shape[1], 2 * LANES), (dv_t, 0, dv_t.shape[1])
             do_t_view = transposed_view(do_t, b, h, i0)
             tile_product(row_pairs, ONE, ONE, do_t_view, p_view, dv_view, dv_t.shape[0], cols)
             pair_rows(ds, rows, cols, ds_pairs)
-            ds_view, dk_view = (ds_pairs, 0, 2 * cols, 2 * LANES), (dk_t, 0, cols)
+            ds_view, dk_view = (ds_pairs, 0, ds_pairs.shape[1], 2 * LANES), (dk_t, 0, dk_t.shape[1])
             q_t_view = transposed_view(q_t, b, h, i0)
             tile_product(row_pairs, scale32, ONE, q_t_view, ds_view, dk_view, dk_t.shape[0], cols)
             if with_dq:
@@ -706,8 +715,9 @@ def bf16_backward_dkdv(q_any, do_any, operands, variant, scale, stats, delta, dk
         cols = min(block_n, variant[4][b, 4] - j0)
         if cols <= 0:  # past this sequence's end
             continue
+        buffers = bf16_tile_buffers(operands, variant, block_m, cols)
         bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, unused, dk,
-                                dv, unused, b, hk, j0, cols, block_m, False)  # fmt: skip
+                                dv, unused, b, hk, j0, cols, block_m, buffers, False)  # fmt: skip
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -719,10 +729,11 @@ def bf16_backward_fused(q_any, do_any, operands, variant, scale, stats, delta, d
     for item in prange(variant[4].shape[0] * kv_heads):
         b, hk, _ = split_index(item, kv_heads, 1)
         kv_len = variant[4][b, 4]
+        buffers = bf16_tile_buffers(operands, variant, block_m, block_n)
         for j0 in range(0, kv_len, block_n):
             bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, dq, dk,
                                     dv, dmask, b, hk, j0, min(block_n, kv_len - j0), block_m,
-                                    True)  # fmt: skip
+                                    buffers, True)  # fmt: skip
 
 
 @njit(parallel=True, fastmath=FASTMATH)
