@@ -15,6 +15,7 @@ from attnperf.testing import assert_agrees, float64_reference, same_precision_re
 
 pytest.importorskip("numba")
 from attnperf.kernels.numba import microkernels, tiles
+from attnperf.kernels.numba.amx import amx_permitted
 from attnperf.kernels.numba.attention import round_probabilities
 from attnperf.kernels.numba.microkernels import (
     gemm_fp32,
@@ -213,6 +214,12 @@ def test_route_follows_numba_target(monkeypatch):
     assert microkernels.tile_route("fp32")[0] == "avx512"
     assert microkernels.tile_route("bf16")[0] == "avx512-bf16"
     assert microkernels.panel_vectors() == 4
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+avx512f,+avx512bf16,+amx-tile,+amx-bf16")
+    granted, refusal = amx_permitted()  # Linux grants AMX's tiles only where the CPU has them
+    route, why = microkernels.tile_route("bf16")
+    assert (route, granted) in (("amx", True), ("avx512-bf16", False)) and refusal in why
+    monkeypatch.setenv("ATTNPERF_NUMBA_AMX", "0")
+    assert microkernels.tile_route("bf16")[0] == "avx512-bf16"
 
 
 def test_tiles_choice_is_checked(monkeypatch):

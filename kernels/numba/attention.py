@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from attnperf.inputs import AttentionInputs
+from attnperf.kernels.numba.amx import TILE_PAIRS, TILE_ROWS, amx_product
 from attnperf.kernels.numba.fastmath import LOG2E, exp2, exp2_shifted, row_maximum
-from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
+from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index, wide_vectors
 from attnperf.kernels.numba.launch import (
     any_layout,
     as_bf16_bits,
@@ -39,6 +40,7 @@ from attnperf.kernels.numba.variant import (
     longest,
     longest_in_table,
     lower_variant,
+    modifies_scores,
     modify_scores,
     query_range,
     sequence,
@@ -206,9 +208,73 @@ def transposed_view(x_t, b, h, i0):
 
 
 @njit(fastmath=FASTMATH)
+def amx_query_rows(q, slot, h, row, rows):
+    """Query rows q[slot, h, row : row + rows] copied into whole AMX tiles: rows in
+    sixteens, zeros past `rows`."""
+    padded = np.zeros(((rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS, q.shape[3]), np.uint16)
+    padded[:rows] = q[slot, h, row : row + rows]
+    return padded
+
+
+@njit(fastmath=FASTMATH)
+def amx_scores(q_rows, key_panels, b, hk, j0, s, cols):
+    """s[:, :cols] = Q K^T (unscaled) of the padded query rows (`amx_query_rows`) against
+    keys j0.. on AMX tiles; the extra rows and columns (to sixteens) get the padding's."""
+    head, at, row_stride, panel_stride = panels_view(key_panels, b, hk, j0)
+    col_tiles = (cols + TILE_ROWS - 1) // TILE_ROWS
+    steps = q_rows.shape[1] // (2 * TILE_PAIRS)
+    keys = (head, at, row_stride, panel_stride)
+    amx_product((q_rows, 0, q_rows.shape[1]), keys, (s, 0, s.shape[1]),
+                q_rows.shape[0] // TILE_ROWS, col_tiles, steps, False)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def scale_scores(s, rows, cols, factor):
+    for r in range(rows):
+        s_row = s[r]
+        for c in range(cols):
+            s_row[c] *= factor
+
+
+@njit(fastmath=FASTMATH)
+def online_softmax_to_bf16(s, factor, p16, rows, cols, acc, row_max, row_sum, shift):
+    """`online_softmax_rescale` of the scores factor * s (factor > 0), P written rounded to
+    bf16 into p16 (`round_probabilities`) in the same pass: s is read twice, never written."""
+    wide_vectors()
+    for r in range(rows):
+        s_row, p16_row = s[r], p16[r]
+        new_max = max(row_max[r], factor * row_maximum(s_row, cols, -np.inf))
+        shift[r] = new_max if new_max != -np.inf else 0.0
+        alpha = exp2(row_max[r] - shift[r]) if row_max[r] != -np.inf else np.float32(0.0)
+        row_max[r] = new_max
+        total = np.float32(0.0)
+        for c in range(cols):
+            p = exp2(s_row[c] * factor - shift[r])
+            total += p
+            p16_row[c] = to_bf16(p)
+        row_sum[r] = row_sum[r] * alpha + total
+        if alpha != 1:
+            for e in range(acc.shape[1]):
+                acc[r, e] *= alpha
+
+
+@njit(fastmath=FASTMATH)
+def amx_add_values(p16, rows, cols, value_pairs, b, hk, j0, acc):
+    """acc += P V on AMX tiles: P rounded to bf16 in p16[:rows, :cols] (whole tiles of
+    rows; its columns padded here with zeros to steps of 32 keys) against the values of keys
+    j0.. in pairs (`pack_vnni`, zeros past the last key)."""
+    steps = (cols + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS)
+    for r in range(rows):
+        p16[r, cols : steps * 2 * TILE_PAIRS] = 0
+    amx_product((p16, 0, p16.shape[1]), pairs_view(value_pairs, b, hk, j0), (acc, 0, acc.shape[1]),
+                p16.shape[0] // TILE_ROWS, acc.shape[1] // TILE_ROWS, steps, True)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
 def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                      block_n, item):  # fmt: skip
+                      block_n, amx, item):  # fmt: skip
     """Item (sequence, query head, query tile) of `packed_forward`."""
+    wide_vectors()
     bf16 = value_pairs.shape[0] > 0
     q_heads, kv_heads, value_dim = q.shape[1], key_panels.shape[1], v.shape[3]
     group = q_heads // kv_heads
@@ -224,13 +290,28 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     # The score tile as wide as the keys need (whole vectors): a short call's 64 keys would
     # otherwise allocate, and fault in, 512 columns per item.
     width = min(block_n, (kv_len + LANES - 1) // LANES * LANES)
-    s, acc, row_max, row_sum, shift = softmax_state(rows, width, value_dim)
-    p16 = np.empty((rows, width + 1 if bf16 else 0), np.uint16)
+    # On AMX the tiles' rows are whole sixteens, P's columns whole steps of 32 keys.
+    tile_rows = (rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS if amx else rows
+    p16_width = (width + 31) // 32 * 32 if amx else width + 1
+    s, acc, row_max, row_sum, shift = softmax_state(tile_rows, width, value_dim)
+    p16_shape = (tile_rows, p16_width if bf16 else 0)
+    p16 = np.zeros(p16_shape, np.uint16) if amx else np.empty(p16_shape, np.uint16)
     hk = h // group
     q_view = rows_view(q, slot, h, q0 + i0)
+    q_rows = amx_query_rows(q, slot, h, q0 + i0, rows) if amx else np.zeros((0, 0), np.uint16)
     acc_view = (acc, 0, value_dim)
     no_dtanh = np.empty((0, 0), np.float32)
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+        if amx:  # the scale goes into the softmax's pass, where no variant changes scores
+            amx_scores(q_rows, key_panels, b, hk, j0, s, cols)
+            factor = scale2
+            if scale2 <= 0 or modifies_scores(variant, structure):
+                scale_scores(s, rows, cols, scale2)
+                modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
+                factor = ONE
+            online_softmax_to_bf16(s, factor, p16, rows, cols, acc, row_max, row_sum, shift)
+            amx_add_values(p16, rows, cols, value_pairs, b, hk, j0, acc)
+            continue
         keys_view = panels_view(key_panels, b, hk, j0)
         tile_product(depth, scale2, ZERO, q_view, keys_view, (s, 0, width), rows, cols)
         modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
@@ -238,22 +319,23 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
         if bf16:
             round_probabilities(s, p16, rows, cols)
             values_view = pairs_view(value_pairs, b, hk, j0)
-            p_view = (p16, 0, width + 1, 1)
+            p_view = (p16, 0, p16_width, 1)
             tile_product((cols + 1) // 2, ONE, ONE, p_view, values_view, acc_view, rows, value_dim)
         else:
             _, v_at, v_row, _ = rows_view(v, slot, hk, k0 + j0)  # V in place: B's rows
             values_view = (v, v_at, v_row, LANES)
             tile_product(cols, ONE, ONE, (s, 0, width, 1), values_view, acc_view, rows, value_dim)
-    finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, out, stats)
+    finish_rows(variant, slot, h, q0 + i0, acc[:rows], row_sum, shift, out, stats)
 
 
 @njit(parallel=True, fastmath=FASTMATH)
 def packed_forward(q_any, k_any, v_any, key_panels, value_pairs, variant, scale, out, stats,
-                   block_m, block_n):  # fmt: skip
+                   block_m, block_n, amx):  # fmt: skip
     """online_softmax_forward on our micro-kernels: each (sequence, kv head)'s keys (and
     bf16 values) packed once into key_panels (value_pairs), then every query tile over
     them. fp32 (q, k, v float32) or bf16 (q, k, v bf16 bits, values packed in pairs, P
-    rounded to bf16 before P V; E even). Scores, softmax and accumulation in fp32.
+    rounded to bf16 before P V; E even). Scores, softmax and accumulation in fp32. `amx`:
+    bf16's products on AMX tiles (`amx_tiles`; value_pairs 32 keys longer, zeros).
 
     One call for both steps: a short call paid ~4 us of arguments per kernel call, and its
     packing ran on one thread to spare a second parallel region."""
@@ -265,12 +347,12 @@ def packed_forward(q_any, k_any, v_any, key_panels, value_pairs, variant, scale,
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     for item in prange(variant[4].shape[0] * q.shape[1] * q_tiles):
         packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                          block_n, np.int64(item))  # fmt: skip
+                          block_n, amx, np.int64(item))  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
 def packed_forward_serial(q_any, k_any, v_any, key_panels, value_pairs, variant, scale, out,
-                          stats, block_m, block_n):  # fmt: skip
+                          stats, block_m, block_n, amx):  # fmt: skip
     """packed_forward on the calling thread (one query tile: nothing to share)."""
     q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
     for item in range(variant[4].shape[0] * k.shape[1]):
@@ -278,7 +360,7 @@ def packed_forward_serial(q_any, k_any, v_any, key_panels, value_pairs, variant,
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     for item in range(variant[4].shape[0] * q.shape[1] * q_tiles):
         packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                          block_n, item)  # fmt: skip
+                          block_n, amx, item)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -774,9 +856,10 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
             )  # fmt: skip
         else:
             block_m, block_n = short_call_tiles(inputs, variant)
-            key_panels, value_pairs = packing_buffers(k, v, variant, kind)
+            amx = kind == BF16 and amx_tiles(inputs)
+            key_panels, value_pairs = packing_buffers(k, v, variant, kind, amx)
             args = (*map(any_layout, (q, k, v)), key_panels, value_pairs, variant, inputs.scale,
-                    out_array, stats_array, block_m, block_n)  # fmt: skip
+                    out_array, stats_array, block_m, block_n, amx)  # fmt: skip
             # On the threads wherever there are two query tiles to share: H = 2, L = 64
             # (2 MFLOP) took 23 us there against 35 us serially.
             if query_tiles(inputs, variant, block_m) < 2:
@@ -805,10 +888,20 @@ def short_call_tiles(inputs: AttentionInputs, variant: tuple) -> tuple[int, int]
 
 def forward_kind(inputs: AttentionInputs) -> int | None:
     """The forward's micro-kernel kind: BF16 for bf16 inputs where the CPU has the bf16 dot
-    product, FP32 where our fp32 tiles serve, None for BLAS tiles."""
-    if inputs.dtype == torch.bfloat16 and tile_route("bf16")[0] == "avx512-bf16":
+    product (AMX's or AVX-512's), FP32 where our fp32 tiles serve, None for BLAS tiles."""
+    if inputs.dtype == torch.bfloat16 and tile_route("bf16")[0] in ("amx", "avx512-bf16"):
         return BF16
     return FP32 if tiles_flag() == OWN_TILES else None
+
+
+def amx_tiles(inputs: AttentionInputs) -> bool:
+    """Whether a bf16 forward runs on AMX tiles: where the route is AMX and the head dims
+    fill whole tiles (E a multiple of 32, Ev of 16); vdpbf16ps micro-kernels otherwise."""
+    return (
+        tile_route("bf16")[0] == "amx"
+        and inputs.head_dim % (2 * TILE_PAIRS) == 0
+        and inputs.value_dim % TILE_ROWS == 0
+    )
 
 
 def bf16_bits(tensor: Tensor) -> np.ndarray:
@@ -825,8 +918,9 @@ def operands(inputs: AttentionInputs, kind: int | None) -> tuple[np.ndarray, ...
     return as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
 
 
-def packing_buffers(k, v, variant, kind) -> tuple[np.ndarray, np.ndarray]:
-    """The arrays `packed_forward` packs keys into, in panels, and (bf16) values, in pairs."""
+def packing_buffers(k, v, variant, kind, amx) -> tuple[np.ndarray, np.ndarray]:
+    """The arrays `packed_forward` packs keys into, in panels, and (bf16) values, in pairs
+    (on AMX tiles 32 keys more, zeros: a key tile's last step of 32 keys reads past it)."""
     count, kv_heads, dim = variant[4].shape[0], k.shape[1], k.shape[3]
     width = LANES * (1 if kind == FP32 else 2)
     depth = dim if kind == FP32 else (dim + 1) // 2
@@ -834,7 +928,8 @@ def packing_buffers(k, v, variant, kind) -> tuple[np.ndarray, np.ndarray]:
     panels = (longest_keys + LANES - 1) // LANES
     dtype = np.float32 if kind == FP32 else np.uint16
     key_panels = np.empty((count, kv_heads, panels, depth, width), dtype)
-    pairs_shape = (count, kv_heads, (longest_keys + 1) // 2, 2 * v.shape[3])
+    pairs = (longest_keys + 1) // 2 + (TILE_PAIRS if amx else 0)
+    pairs_shape = (count, kv_heads, pairs, 2 * v.shape[3])
     value_pairs = np.empty(pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
     return key_panels, value_pairs
 

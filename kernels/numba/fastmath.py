@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnperf.kernels.numba.jit import FASTMATH, cgutils, intrinsic, ir, njit, types
+from attnperf.kernels.numba.jit import FASTMATH, cgutils, intrinsic, ir, njit, types, wide_vectors
 
 LOG2E = 1.4426950408889634
 FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
@@ -71,6 +71,7 @@ def maxnum(typingctx, a, b):
 @njit(fastmath=FASTMATH)
 def row_maximum(row, cols, start):
     """max(start, row[:cols]); NaN scores are passed over (their exp2 makes the row NaN)."""
+    wide_vectors()
     m = start
     for c in range(cols):
         m = maxnum(m, row[c])
@@ -107,6 +108,7 @@ def exp2(t):
 def exp2_shifted(row, cols, shift, factor):
     """row[c] <- 2 ** (row[c] - shift) * factor in place, vectorised; returns the sum (all
     in float32: a float64 `factor` would otherwise take the loop to half the vector width)."""
+    wide_vectors()
     shift32, factor32 = np.float32(shift), np.float32(factor)
     total = np.float32(0.0)
     for c in range(cols):

@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from attnperf.kernels.numba.amx import amx_permitted
 from attnperf.kernels.numba.jit import (
     FASTMATH,
     cgutils,
@@ -76,10 +77,14 @@ TILE_CHOICES = ("auto", "blas", "own")
 
 def tile_route(kind: str) -> tuple[str, str]:
     """(route, why) of the tile products for "fp32" or "bf16" (fp16 runs on fp32 tiles):
-    "avx512-bf16", "avx512" or "avx2" (our micro-kernels), or "blas".
+    "amx", "avx512-bf16", "avx512" or "avx2" (our tile kernels), or "blas".
+
+    bf16 goes on AMX ("amx") where numba's target has AMX-BF16 and Linux grants its tiles:
+    the forward's products on our tdpbf16ps tiles, the rest on vdpbf16ps micro-kernels.
 
     ATTNPERF_NUMBA_TILES=blas|own insists on BLAS or on our micro-kernels for fp32 (own
-    ones without AVX2 run on LLVM's split vectors: for tests, not speed).
+    ones without AVX2 run on LLVM's split vectors: for tests, not speed);
+    ATTNPERF_NUMBA_AMX=0 keeps bf16 off AMX.
     """
     choice = os.environ.get("ATTNPERF_NUMBA_TILES", "auto")
     if choice not in TILE_CHOICES:
@@ -87,8 +92,17 @@ def tile_route(kind: str) -> tuple[str, str]:
     features = target_features()
     if kind == "bf16" and "avx512bf16" in features:
         why = "AVX512-BF16: our vdpbf16ps micro-kernels, forward and backward"
-        if "amx-bf16" in features:
-            why += " (AMX present; its brgemm route is not built yet)"
+        if {"amx-bf16", "amx-tile"} <= features:
+            granted, refusal = amx_permitted()
+            if os.environ.get("ATTNPERF_NUMBA_AMX", "1") == "0":
+                why += " (AMX present; ATTNPERF_NUMBA_AMX=0 keeps bf16 off it)"
+            elif not granted:
+                why += f" (AMX present but unusable: {refusal})"
+            else:
+                return "amx", (
+                    "AMX-BF16: the forward's products on our tdpbf16ps tiles (E a multiple "
+                    "of 32, Ev of 16), the rest on vdpbf16ps micro-kernels"
+                )
         return "avx512-bf16", why
     widened = "bf16 widened to " if kind == "bf16" else ""
     if "avx512f" in features:

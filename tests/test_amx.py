@@ -1,0 +1,125 @@
+"""AMX tile products and the bf16 forward on them: every block shape of the 2 x 2 walk, the
+operands' padding, and the forward's variants against the float64 reference."""
+
+import numpy as np
+import pytest
+import torch
+
+import attnperf
+from attnperf import dispatch
+from attnperf.inputs import prepare
+from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
+
+pytest.importorskip("numba")
+from attnperf.kernels.numba import attention, microkernels
+from attnperf.kernels.numba.amx import amx_product
+from attnperf.kernels.numba.microkernels import pack_key_panels, pack_vnni
+
+if dispatch.registry()["numba"].unavailable_reason():
+    pytest.skip(dispatch.registry()["numba"].unavailable_reason(), allow_module_level=True)
+if microkernels.tile_route("bf16")[0] != "amx":
+    pytest.skip(f"no AMX route here: {microkernels.tile_route('bf16')[1]}", allow_module_level=True)
+
+
+def bits(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_amx_product_matches_float64_for_every_block_shape(accumulate):
+    """1-3 tiles of rows and columns (blocks of 2 x 2, 2 x 1, 1 x 2, 1 x 1), 1-3 steps of
+    depth, B in panels (keys) and in pairs of rows (values), C inside a wider buffer."""
+    gen = torch.Generator().manual_seed(0)
+    for row_tiles in (1, 2, 3):
+        for col_tiles in (1, 2, 3):
+            for steps in (1, 3):
+                rows, cols, depth = 16 * row_tiles, 16 * col_tiles, 32 * steps
+                a = torch.randn(rows, depth, generator=gen).bfloat16()
+                b = torch.randn(depth, cols, generator=gen).bfloat16()
+                c = torch.randn(rows, cols + 5, generator=gen)
+                exact = a.double() @ b.double() + (c[:, :cols].double() if accumulate else 0)
+                panels = np.empty((col_tiles, depth // 2, 32), np.uint16)
+                pack_key_panels(bits(b.T), panels)
+                pairs = np.empty((depth // 2, 2 * cols), np.uint16)
+                pack_vnni(bits(b), pairs)
+                a_view = (bits(a), 0, depth)
+                for b_view in ((panels, 0, 32, depth // 2 * 32), (pairs, 0, 2 * cols, 32)):
+                    out = c.numpy().copy()
+                    amx_product(a_view, b_view, (out, 0, cols + 5), row_tiles, col_tiles, steps,
+                                accumulate)  # fmt: skip
+                    error = (torch.from_numpy(out[:, :cols]).double() - exact).abs()
+                    bound = 1e-6 * (depth + 2) * (a.double().abs() @ b.double().abs() + 2)
+                    assert bool((error <= bound).all()), (row_tiles, col_tiles, steps)
+                    assert np.array_equal(out[:, cols:], c.numpy()[:, cols:])
+
+
+def forward_agrees(call, on_amx, monkeypatch):
+    """numba's bf16 output and LSE against float64, by the 2x rule, with the forward on AMX
+    tiles or not (`attention.amx_tiles`); the call qualifies for them."""
+    inputs = prepare(call["query"], call["key"], call["value"], enable_gqa=True)
+    assert attention.amx_tiles(inputs)
+    call = {**call, "return_lse": True}
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "amx_tiles", lambda inputs: on_amx)
+        out, lse = attnperf.attention(**call, backend="numba")
+    exact_out, exact_lse = float64_reference(**call)
+    base_out, base_lse = same_precision_reference(**call)
+    assert_agrees(out, exact_out, base_out, what="output")
+    assert_agrees(lse, exact_lse, base_lse, what="lse")
+    return out
+
+
+CASES = {
+    "full, odd lengths": {"shape": (2, 4, 301, 64), "keys": 299},
+    "causal, GQA": {"shape": (1, 4, 1000, 128), "keys": 1000, "is_causal": True, "groups": 2},
+    "window and softcap": {
+        "shape": (1, 2, 700, 64),
+        "keys": 700,
+        "window": (100, 0),
+        "softcap": 30.0,
+    },
+    "float mask": {"shape": (1, 2, 97, 32), "keys": 530, "mask": True},
+    "short": {"shape": (3, 2, 17, 64), "keys": 33},
+    # A last key tile ending at 16 keys past a step of 32, with keys after it: P's padded
+    # columns must be zeros, not the wider tile's probabilities before them.
+    "causal bottom-right": {
+        "shape": (1, 2, 600, 64),
+        "keys": 616,
+        "is_causal": True,
+        "align": "bottom_right",
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_forward_on_amx_keeps_the_2x_rule(case, monkeypatch):
+    """Rows not in sixteens, keys not in steps of 32 (P's padded columns), the scale folded
+    into the softmax (plain tiles) or not (masks, windows, softcaps), several key tiles."""
+    spec = CASES[case]
+    gen = torch.Generator().manual_seed(4)
+    batch, heads, length, dim = spec["shape"]
+    kv_heads = heads // spec.get("groups", 1)
+    q = torch.randn(batch, heads, length, dim, generator=gen).bfloat16()
+    k, v = (torch.randn(batch, kv_heads, spec["keys"], dim, generator=gen).bfloat16() * 2
+            for _ in range(2))  # fmt: skip
+    call = {"query": q, "key": k, "value": v, "is_causal": spec.get("is_causal", False),
+            "enable_gqa": kv_heads != heads}  # fmt: skip
+    if "align" in spec:
+        call["align"] = spec["align"]
+    if "window" in spec:
+        call.update(window=spec["window"], softcap=spec["softcap"])
+    if spec.get("mask"):
+        call["attn_mask"] = torch.randn(length, spec["keys"], generator=gen)
+    on_amx = forward_agrees(call, True, monkeypatch)
+    off_amx = forward_agrees(call, False, monkeypatch)
+    # The two routes round the same P to bf16: they differ by the products' order alone.
+    assert (on_amx.float() - off_amx.float()).abs().max() <= 0.02
+
+
+def test_amx_needs_head_dims_in_whole_tiles():
+    def inputs(dim, value_dim):
+        return prepare(torch.ones(1, 1, 4, dim).bfloat16(), torch.ones(1, 1, 4, dim).bfloat16(),
+                       torch.ones(1, 1, 4, value_dim).bfloat16())  # fmt: skip
+
+    assert attention.amx_tiles(inputs(64, 64)) and attention.amx_tiles(inputs(96, 48))
+    assert not attention.amx_tiles(inputs(40, 64)) and not attention.amx_tiles(inputs(64, 40))
