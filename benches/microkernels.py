@@ -31,6 +31,7 @@ import time
 import numpy as np
 import torch
 
+from attnperf.kernels.numba.amx import amx_product
 from attnperf.kernels.numba.attention import online_softmax_rescale
 from attnperf.kernels.numba.fastmath import LOG2E
 from attnperf.kernels.numba.jit import FASTMATH, njit
@@ -52,6 +53,12 @@ DECODE_ROWS, DECODE_KEYS, CHUNK = 4, 192, 16
 def repeat_product(reps, depth, a_view, b_view, c_view, rows, cols):
     for _ in range(reps):
         tile_product(depth, np.float32(1.0), np.float32(1.0), a_view, b_view, c_view, rows, cols)
+
+
+@njit()
+def repeat_amx(reps, a_view, b_view, c_view, row_tiles, col_tiles, steps, accumulate):
+    for _ in range(reps):
+        amx_product(a_view, b_view, c_view, row_tiles, col_tiles, steps, accumulate)
 
 
 @njit()
@@ -171,6 +178,18 @@ def products(dim, rounds):
     views = ((q_t, 0, ROWS, 1), (p_pairs, 0, 2 * KEYS, 32), (dv_t, 0, KEYS))
     dvt16 = median_seconds(lambda n: repeat_product(n, ROWS // 2, *views, dim, KEYS), reps, rounds)
     rows.append(("dO^T P (E x 512, rows paired)", "bf16", flops, dvt16, torch_mm(q16.T, p16)))
+    if peak_flops("amx") is None or dim % 32:
+        return rows
+    # The forward's two products on AMX tiles, over the same packings.
+    steps, tiles = dim // 32, ROWS // 16
+    qk_amx = median_seconds(repeated(repeat_amx, (bits(q16), 0, dim), (panels16, 0, 32, dim * 16),
+                                     (scores, 0, KEYS), tiles, KEYS // 16, steps, False),
+                            reps, rounds)  # fmt: skip
+    rows.append(("QK^T (AMX tiles)", "amx", flops, qk_amx, torch_mm(q16, k16.T)))
+    pv_amx = median_seconds(repeated(repeat_amx, (bits(p16), 0, KEYS), (v_pairs, 0, 2 * dim, 32),
+                                     (acc, 0, dim), tiles, dim // 16, KEYS // 32, True),
+                            reps, rounds)  # fmt: skip
+    rows.append(("PV (AMX tiles)", "amx", flops, pv_amx, torch_mm(p16, v16)))
     return rows
 
 
@@ -236,11 +255,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    peaks = {"fp32": peak_flops("fp32"), "bf16": peak_flops("bf16")}
+    peaks = {kind: peak_flops(kind) for kind in ("fp32", "bf16", "amx")}
     cpu = cpu_description()
     print(f"{cpu['cpu_model']} ({cpu['vector_isa']}), one thread; peaks from register-only "
           f"loops: fp32 FMA {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 dot "
-          + (f"{peaks['bf16'] / 1e9:.0f} GFLOP/s" if peaks["bf16"] else "none"))  # fmt: skip
+          + (f"{peaks['bf16'] / 1e9:.0f} GFLOP/s" if peaks["bf16"] else "none")
+          + (f", AMX bf16 {peaks['amx'] / 1e9:.0f} GFLOP/s" if peaks["amx"] else ""))  # fmt: skip
     columns = ("E", "product", "dtype", "ours GFLOP/s", "of peak", "torch.mm GFLOP/s",
                "of peak", "ours / torch")  # fmt: skip
     print("| " + " | ".join(columns) + " |")

@@ -19,7 +19,7 @@ from attnperf.bench.report import (
     write_report,
 )
 from attnperf.bench.sweep import BenchConfig, Measurement, attention_flops, fit_exponent, run_sweep
-from attnperf.kernels.numba.microkernels import target_features
+from attnperf.kernels.numba.microkernels import target_features, tile_route
 
 KNOWN_ALLOCATION = """
 import numpy as np, torch
@@ -252,7 +252,8 @@ def test_peak_rate_is_the_dtype_s_and_positive():
     bf16 = serving.peak_rate("bfloat16", 2)
     assert bf16 is not None and bf16 > 0
     dot = "avx512bf16" in target_features()
-    assert serving.peak_kind("bfloat16") == ("bf16 dot" if dot else "fp32 FMA")
+    expected = "AMX bf16" if tile_route("bf16")[0] == "amx" else "bf16 dot" if dot else "fp32 FMA"
+    assert serving.peak_kind("bfloat16") == expected
     assert serving.peak_kind("float32") == "fp32 FMA"
 
 

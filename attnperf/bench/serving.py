@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import attnperf
 from attnperf.bench import sweep
 from attnperf.kernels.numba.jit import MISSING as NUMBA_MISSING
-from attnperf.kernels.numba.microkernels import peak_flops, target_features
+from attnperf.kernels.numba.microkernels import peak_flops, target_features, tile_route
 
 # Llama-3-8B's attention: 32 query heads over 8 key/value heads of 128 dims.
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128
@@ -196,17 +196,23 @@ def sgemm_rate(config) -> float:
     return 2 * SGEMM_SIZE**3 / race(config, {"sgemm": SgemmCall()})["sgemm"].median_s
 
 
+PEAK_KINDS = {"AMX bf16": "amx", "bf16 dot": "bf16", "fp32 FMA": "fp32"}
+
+
 def peak_rate(dtype: str, threads: int) -> float | None:
-    """The chip's peak in FLOP/s for a call of `dtype`: the bf16 dot product's for
-    "bfloat16" where the CPU has one, else the fp32 FMA's; a register-only loop on one
-    thread times `threads` (one per core). None without numba, which emits the loop."""
+    """The chip's peak in FLOP/s for a call of `dtype` (`peak_kind`); a register-only loop
+    on one thread times `threads` (one per core). None without numba, which emits it."""
     if NUMBA_MISSING:
         return None
-    return peak_flops("bf16" if peak_kind(dtype) == "bf16 dot" else "fp32") * threads
+    return peak_flops(PEAK_KINDS[peak_kind(dtype)]) * threads
 
 
 def peak_kind(dtype: str) -> str:
-    """What `peak_rate` times for a call of `dtype`, in words: "bf16 dot" or "fp32 FMA"."""
+    """What `peak_rate` times for a call of `dtype`, in words: for "bfloat16" AMX's tiles
+    where bf16 runs on them ("AMX bf16"), else the bf16 dot product where the CPU has one
+    ("bf16 dot"); otherwise "fp32 FMA"."""
+    if dtype == "bfloat16" and tile_route("bf16")[0] == "amx":
+        return "AMX bf16"
     has_dot = dtype == "bfloat16" and "avx512bf16" in target_features()
     return "bf16 dot" if has_dot else "fp32 FMA"
 

@@ -218,3 +218,28 @@ def amx_product(a_view, b_view, c_view, row_tiles, col_tiles, steps, accumulate)
             c_block = (c, c_at + i * TILE_ROWS * c_stride + j * TILE_ROWS, c_stride)
             _tile_block(a_block, b_cols, c_block, two_rows, j + 1 < col_tiles, steps, accumulate)
     release_tiles()
+
+
+AMX_PEAK_FLOPS_PER_ROUND = 4 * TILE_ROWS * TILE_ROWS * 2 * TILE_PAIRS * 2  # 4 tdpbf16ps
+
+
+@njit()
+def amx_peak_loop(iterations):
+    """`iterations` rounds of 4 independent tdpbf16ps on tiles held in registers: AMX's
+    peak, as the register-only loops of `microkernels.peak_flops` time the vector units'."""
+    configure_tiles(TILE_CONFIG)
+    tile_zero(0)
+    tile_zero(1)
+    tile_zero(2)
+    tile_zero(3)
+    tile_zero(4)
+    tile_zero(5)
+    tile_zero(6)
+    tile_zero(7)
+    for _ in range(iterations):
+        tile_dot(0, 4, 6)
+        tile_dot(1, 4, 7)
+        tile_dot(2, 5, 6)
+        tile_dot(3, 5, 7)
+    release_tiles()
+    return 0.0

@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from attnperf.kernels.numba.amx import amx_permitted
+from attnperf.kernels.numba.amx import AMX_PEAK_FLOPS_PER_ROUND, amx_peak_loop, amx_permitted
 from attnperf.kernels.numba.jit import (
     FASTMATH,
     cgutils,
@@ -866,15 +866,19 @@ def dot_peak_loop(iterations):
 
 
 def peak_flops(kind: str, seconds: float = 0.3) -> float | None:
-    """The calling thread's peak rate in FLOP/s of the fp32 FMA ("fp32") or the bf16 dot
-    product ("bf16"; None without AVX512-BF16): a register-only loop of the widest vectors
-    timed for about `seconds` (best of 3)."""
+    """The calling thread's peak rate in FLOP/s of the fp32 FMA ("fp32"), the bf16 dot
+    product ("bf16"; None without AVX512-BF16) or AMX's bf16 tiles ("amx"; None off the
+    AMX route): a register-only loop timed for about `seconds` (best of 3)."""
     if kind == "bf16" and "avx512bf16" not in target_features():
         return None
+    if kind == "amx" and tile_route("bf16")[0] != "amx":
+        return None
     if kind == "fp32":
-        loop, flops_per_lane, lanes = fma_peak_loop, 2, fma_lanes()
+        loop, flops_per_round = fma_peak_loop, PEAK_ACCUMULATORS * fma_lanes() * 2
+    elif kind == "bf16":
+        loop, flops_per_round = dot_peak_loop, PEAK_ACCUMULATORS * LANES * 4
     else:
-        loop, flops_per_lane, lanes = dot_peak_loop, 4, LANES
+        loop, flops_per_round = amx_peak_loop, AMX_PEAK_FLOPS_PER_ROUND
     loop(1000)  # compiled
     iterations, elapsed = 1000, 0.0
     while elapsed < seconds / 10:
@@ -883,7 +887,7 @@ def peak_flops(kind: str, seconds: float = 0.3) -> float | None:
         loop(iterations)
         elapsed = time.perf_counter() - start
     best = min(_timed(loop, iterations) for _ in range(3))
-    return iterations * PEAK_ACCUMULATORS * lanes * flops_per_lane / best
+    return iterations * flops_per_round / best
 
 
 def _timed(loop, iterations):
