@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from attnperf.kernels.numba.amx import amx_product
-from attnperf.kernels.numba.attention import online_softmax_rescale
+from attnperf.kernels.numba.attention import online_softmax_rescale, online_softmax_to_bf16
 from attnperf.kernels.numba.fastmath import LOG2E
 from attnperf.kernels.numba.jit import FASTMATH, njit
 from attnperf.kernels.numba.microkernels import (
@@ -75,6 +75,16 @@ def repeat_softmax(reps, scores, start, s, acc, row_max, row_sum, shift):
         s[:] = scores
         row_max[:] = start
         online_softmax_rescale(s, s.shape[0], s.shape[1], acc, row_max, row_sum, shift)
+
+
+@njit(fastmath=FASTMATH)
+def repeat_softmax_to_bf16(reps, s, factor, p16, acc, row_max, row_sum, shift):
+    """The AMX forward's softmax step `reps` times (it never writes s), each row's running
+    max reset to -inf."""
+    for _ in range(reps):
+        row_max[:] = -np.inf
+        online_softmax_to_bf16(s, factor, p16, s.shape[0], s.shape[1], acc, row_max, row_sum,
+                               shift)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -249,6 +259,33 @@ def forward_tile(dim, rounds):
     return {"QK^T": qk, "online softmax": softmax - copy, "PV": pv}
 
 
+def amx_forward_tile(dim, rounds):
+    """Seconds of the bf16 forward's tile steps on AMX alone: {"QK^T", "online softmax",
+    "PV"} (the softmax with the scale and P's rounding to bf16 in its one pass)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (bits(torch.randn(rows, dim, generator=gen).bfloat16())
+               for rows in (ROWS, KEYS, KEYS))  # fmt: skip
+    panels = np.empty((KEYS // 16, dim // 2, 32), np.uint16)
+    pack_key_panels(k, panels)
+    v_pairs = np.empty((KEYS // 2, 2 * dim), np.uint16)
+    pack_vnni(v, v_pairs)
+    scores, acc = np.zeros((ROWS, KEYS), np.float32), np.zeros((ROWS, dim), np.float32)
+    p16, stats = np.zeros((ROWS, KEYS), np.uint16), [np.zeros(ROWS, np.float32) for _ in range(3)]
+    reps = max(1, int(1e9 / (4 * ROWS * KEYS * dim)))
+    tiles = ROWS // 16
+    score_args = ((q, 0, dim), (panels, 0, 32, dim * 16), (scores, 0, KEYS), tiles, KEYS // 16,
+                  dim // 32, False)  # fmt: skip
+    qk = median_seconds(repeated(repeat_amx, *score_args), reps, rounds)
+    factor = np.float32(dim**-0.5 * LOG2E)
+    softmax = median_seconds(
+        repeated(repeat_softmax_to_bf16, scores, factor, p16, acc, *stats), reps, rounds
+    )
+    value_args = ((p16, 0, KEYS), (v_pairs, 0, 2 * dim, 32), (acc, 0, dim), tiles, dim // 16,
+                  KEYS // 32, True)  # fmt: skip
+    pv = median_seconds(repeated(repeat_amx, *value_args), reps, rounds)
+    return {"QK^T": qk, "online softmax": softmax, "PV": pv}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -278,6 +315,14 @@ def main():
         steps = forward_tile(dim, args.rounds)
         tile = sum(steps.values())
         shares = (f"{name} {t * 1e6:.0f} us ({t / tile:.0%})" for name, t in steps.items())
+        print(f"E = {dim}: tile {tile * 1e6:.0f} us; " + ", ".join(shares))
+    if peaks["amx"] is None:
+        return
+    print(f"\nThe bf16 forward's {ROWS} x {KEYS} tile on AMX, step by step (each alone):")
+    for dim in (dim for dim in args.head_dims if dim % 32 == 0):
+        steps = amx_forward_tile(dim, args.rounds)
+        tile = sum(steps.values())
+        shares = (f"{name} {t * 1e6:.1f} us ({t / tile:.0%})" for name, t in steps.items())
         print(f"E = {dim}: tile {tile * 1e6:.0f} us; " + ", ".join(shares))
 
 

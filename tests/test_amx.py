@@ -116,10 +116,52 @@ def test_bf16_forward_on_amx_keeps_the_2x_rule(case, monkeypatch):
     assert (on_amx.float() - off_amx.float()).abs().max() <= 0.02
 
 
+def results_and_gradients(run, call):
+    """run(**call)'s output and the gradients of sum(out * g) for its tensor arguments."""
+    args = {key: value.clone().requires_grad_() for key, value in call.items()
+            if isinstance(value, torch.Tensor)}  # fmt: skip
+    out = run(**{**call, **args})
+    gen = torch.Generator().manual_seed(1)
+    (out * torch.randn(out.shape, generator=gen).to(out)).sum().backward()
+    return {"output": out, **{f"grad of {key}": value.grad for key, value in args.items()}}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("case", ["full, odd lengths", "causal, GQA", "window and softcap",
+                                  "float mask", "causal bottom-right"])  # fmt: skip
+def test_bf16_gradients_on_amx_keep_the_2x_rule(case, fused, monkeypatch):
+    """All five backward products on AMX tiles (S, dP against panels; dQ against key pairs;
+    dK^T, dV^T over the query rows in pairs), both schedules, a float mask's gradient too."""
+    spec = CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, length, dim = spec["shape"]
+    kv_heads = heads // spec.get("groups", 1)
+    q = torch.randn(batch, heads, length, dim, generator=gen).bfloat16()
+    k, v = (torch.randn(batch, kv_heads, spec["keys"], dim, generator=gen).bfloat16()
+            for _ in range(2))  # fmt: skip
+    call = {"query": q, "key": k, "value": v, "is_causal": spec.get("is_causal", False),
+            "enable_gqa": kv_heads != heads}  # fmt: skip
+    for key in ("align", "window", "softcap"):
+        if key in spec:
+            call[key] = spec[key]
+    if spec.get("mask"):
+        call["attn_mask"] = torch.randn(length, spec["keys"], generator=gen)
+    assert attention.amx_tiles(prepare(q, k, v, enable_gqa=True))
+    monkeypatch.setattr(attention, "fused_backward_pays", lambda items, threads: fused)
+    ours = results_and_gradients(lambda **c: attnperf.attention(**c, backend="numba"), call)
+    exact = results_and_gradients(float64_reference, {
+        key: value.double() if isinstance(value, torch.Tensor) else value
+        for key, value in call.items()
+    })  # fmt: skip
+    baseline = results_and_gradients(same_precision_reference, call)
+    for what, actual in ours.items():
+        assert_agrees(actual, exact[what], baseline[what], what=what)
+
+
 def test_amx_needs_head_dims_in_whole_tiles():
     def inputs(dim, value_dim):
         return prepare(torch.ones(1, 1, 4, dim).bfloat16(), torch.ones(1, 1, 4, dim).bfloat16(),
                        torch.ones(1, 1, 4, value_dim).bfloat16())  # fmt: skip
 
-    assert attention.amx_tiles(inputs(64, 64)) and attention.amx_tiles(inputs(96, 48))
-    assert not attention.amx_tiles(inputs(40, 64)) and not attention.amx_tiles(inputs(64, 40))
+    assert attention.amx_tiles(inputs(64, 64)) and attention.amx_tiles(inputs(96, 32))
+    assert not attention.amx_tiles(inputs(40, 64)) and not attention.amx_tiles(inputs(64, 48))

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from attnperf.inputs import AttentionInputs
-from attnperf.kernels.numba.amx import TILE_PAIRS, TILE_ROWS, amx_product
+from attnperf.kernels.numba.amx import TILE_PAIRS, TILE_ROWS, aligned_empty, amx_product
 from attnperf.kernels.numba.fastmath import LOG2E, exp2, exp2_shifted, row_maximum
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index, wide_vectors
 from attnperf.kernels.numba.launch import (
@@ -211,8 +211,9 @@ def transposed_view(x_t, b, h, i0):
 def amx_query_rows(q, slot, h, row, rows):
     """Query rows q[slot, h, row : row + rows] copied into whole AMX tiles: rows in
     sixteens, zeros past `rows`."""
-    padded = np.zeros(((rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS, q.shape[3]), np.uint16)
+    padded = aligned_empty((rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS, q.shape[3], q[0, 0])
     padded[:rows] = q[slot, h, row : row + rows]
+    padded[rows:] = 0
     return padded
 
 
@@ -294,11 +295,15 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     tile_rows = (rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS if amx else rows
     p16_width = (width + 31) // 32 * 32 if amx else width + 1
     s, acc, row_max, row_sum, shift = softmax_state(tile_rows, width, value_dim)
-    p16_shape = (tile_rows, p16_width if bf16 else 0)
-    p16 = np.zeros(p16_shape, np.uint16) if amx else np.empty(p16_shape, np.uint16)
+    p16 = np.empty((tile_rows, p16_width if bf16 else 0), np.uint16)
+    if amx:  # the tiles' rows in whole lines; P's padding rows zeros
+        s, acc = aligned_empty(tile_rows, width, s), aligned_empty(tile_rows, value_dim, acc)
+        p16 = aligned_empty(tile_rows, p16_width, p16)
+        acc[:] = 0
+        p16[rows:] = 0
     hk = h // group
     q_view = rows_view(q, slot, h, q0 + i0)
-    q_rows = amx_query_rows(q, slot, h, q0 + i0, rows) if amx else np.zeros((0, 0), np.uint16)
+    q_rows = amx_query_rows(q, slot, h, q0 + i0, rows) if amx else aligned_empty(0, 0, q[0, 0])
     acc_view = (acc, 0, value_dim)
     no_dtanh = np.empty((0, 0), np.float32)
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
@@ -661,20 +666,31 @@ def pack_bf16_backward(q_any, k_any, v_any, do_any, variant, operands):
 
 @njit(fastmath=FASTMATH)
 def bf16_score_gradients(q, grad_out, operands, variant, scale2, stats, delta, dmask, b, h,
-                         i0, rows, j0, cols, structure, p, ds, dtanh, want_dmask):  # fmt: skip
+                         i0, rows, j0, cols, structure, p, ds, dtanh, want_dmask, amx):  # fmt: skip
     """p <- P and ds <- dS (through the softcap; into dmask too with `want_dmask`) of query
     rows i0.. and keys j0.. of head h of sequence b: S = Q K^T and dP = dO V^T on bf16
-    tiles against the packed panels."""
+    tiles against the packed panels (`amx`: on AMX tiles)."""
     key_panels, value_panels = operands[0], operands[1]
     hk = h // (q.shape[1] // key_panels.shape[1])
     slot, q0, q_len, _, _ = sequence(variant, b)
-    keys, values = panels_view(key_panels, b, hk, j0), panels_view(value_panels, b, hk, j0)
-    q_rows, do_rows = rows_view(q, slot, h, q0 + i0), rows_view(grad_out, slot, h, q0 + i0)
-    tile_product(key_panels.shape[3], scale2, ZERO, q_rows, keys, (p, 0, p.shape[1]), rows, cols)
+    if amx:  # p and ds hold whole tiles (`bf16_tile_buffers`)
+        amx_scores(amx_query_rows(q, slot, h, q0 + i0, rows), key_panels, b, hk, j0, p, cols)
+        scale_scores(p, rows, cols, scale2)
+    else:
+        keys = panels_view(key_panels, b, hk, j0)
+        q_rows = rows_view(q, slot, h, q0 + i0)
+        tile_product(key_panels.shape[3], scale2, ZERO, q_rows, keys, (p, 0, p.shape[1]), rows,
+                     cols)  # fmt: skip
     scores_to_probabilities(p, dtanh, variant, b, h, i0, j0, rows, cols, structure,
                             stats[slot, h, q0 : q0 + q_len])  # fmt: skip
-    tile_product(value_panels.shape[3], ONE, ZERO, do_rows, values, (ds, 0, ds.shape[1]), rows,
-                 cols)  # fmt: skip
+    if amx:
+        do_rows = amx_query_rows(grad_out, slot, h, q0 + i0, rows)
+        amx_scores(do_rows, value_panels, b, hk, j0, ds, cols)
+    else:
+        values = panels_view(value_panels, b, hk, j0)
+        do_rows = rows_view(grad_out, slot, h, q0 + i0)
+        tile_product(value_panels.shape[3], ONE, ZERO, do_rows, values, (ds, 0, ds.shape[1]),
+                     rows, cols)  # fmt: skip
     score_gradients(p, ds, delta[slot, h, q0 + i0 : q0 + i0 + rows], rows, cols)
     if want_dmask:  # plain calls only: slot b, no row offsets
         dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds[:rows, :cols]
@@ -696,8 +712,9 @@ def bf16_add_dq(ds, ds16, rows, cols, key_pairs, b, hk, j0, dq, slot, h, row, sc
 
 @njit(parallel=True, fastmath=FASTMATH)
 def bf16_backward_dq(q_any, do_any, operands, variant, scale, stats, delta, dq, dmask, block_m,
-                     block_n):  # fmt: skip
-    """`attention_backward_dq` on bf16 tiles (`pack_bf16_backward`'s operands)."""
+                     block_n, amx):  # fmt: skip
+    """`attention_backward_dq` on bf16 tiles (`pack_bf16_backward`'s operands; `amx`: S and
+    dP on AMX tiles)."""
     q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
     key_pairs = operands[2]
     q_heads = q.shape[1]
@@ -712,43 +729,111 @@ def bf16_backward_dq(q_any, do_any, operands, variant, scale, stats, delta, dq, 
         rows = min(block_m, q_len - i0)
         if rows <= 0:  # past this sequence's end
             continue
-        p = np.empty((rows, block_n), np.float32)
-        ds = np.empty((rows, block_n), np.float32)
+        p, ds = score_tiles(rows, block_n), score_tiles(rows, block_n)
         dtanh = np.empty((rows if variant[5] != 0 else 0, block_n), np.float32)
-        ds16 = np.empty((rows, block_n + 1), np.uint16)
+        ds16, dq_tile = rounded_tiles(rows, block_n), score_tiles(rows, key_pairs.shape[3] // 2)
         for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
             bf16_score_gradients(
                 q, grad_out, operands, variant, scale2, stats, delta, dmask, b, h, i0, rows, j0,
-                cols, structure, p, ds, dtanh, want_dmask,
+                cols, structure, p, ds, dtanh, want_dmask, amx,
             )  # fmt: skip
-            bf16_add_dq(ds, ds16, rows, cols, key_pairs, b, h // group, j0, dq, slot, h,
-                        q0 + i0, scale32)  # fmt: skip
+            if amx:
+                amx_add_dq(ds, ds16, rows, cols, key_pairs, b, h // group, j0, dq_tile, dq, slot,
+                           h, q0 + i0, scale32)  # fmt: skip
+            else:
+                bf16_add_dq(ds, ds16, rows, cols, key_pairs, b, h // group, j0, dq, slot, h,
+                            q0 + i0, scale32)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def score_tiles(rows, cols):
+    """A (rows, cols) fp32 score tile that AMX's tiles may fill whole: rows and columns up
+    to sixteens, its rows in whole lines (`aligned_empty`)."""
+    like = np.empty(0, np.float32)
+    tile = aligned_empty((rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS,
+                         (cols + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS, like)  # fmt: skip
+    return tile
+
+
+@njit(fastmath=FASTMATH)
+def pair_tiles(rows, cols):
+    """P or dS of (rows, cols) in pairs of rows (`pair_rows`), as AMX's B tiles may read
+    them whole: pairs of rows to steps of 16 pairs, columns to sixteens."""
+    like = np.empty(0, np.uint16)
+    steps = (rows + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS)
+    return aligned_empty(steps * TILE_PAIRS, 2 * ((cols + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS),
+                         like)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def rounded_tiles(rows, cols):
+    """dS of (rows, cols) rounded to bf16 (`round_probabilities`), as AMX's A tiles may read
+    it whole: rows to sixteens, columns to steps of 32, zeros."""
+    like = np.empty(0, np.uint16)
+    tile = aligned_empty((rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS,
+                         (cols + 1 + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS) * 2 * TILE_PAIRS,
+                         like)  # fmt: skip
+    tile[:] = 0
+    return tile
+
+
+@njit(fastmath=FASTMATH)
+def amx_add_dq(ds, ds16, rows, cols, key_pairs, b, hk, j0, dq_tile, dq, slot, h, row, scale):
+    """`bf16_add_dq` on AMX tiles: dS rounded into ds16 (`rounded_tiles`), its columns
+    zeroed to the step of 32 keys; dS K into dq_tile, then scaled into dq."""
+    round_probabilities(ds, ds16, rows, cols)
+    steps = (cols + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS)
+    for r in range(rows):
+        ds16[r, cols : steps * 2 * TILE_PAIRS] = 0
+    dim = key_pairs.shape[3] // 2
+    row_tiles = (rows + TILE_ROWS - 1) // TILE_ROWS
+    keys, tile = pairs_view(key_pairs, b, hk, j0), (dq_tile, 0, dq_tile.shape[1])
+    amx_product((ds16, 0, ds16.shape[1]), keys, tile, row_tiles, dim // TILE_ROWS, steps, False)
+    rows_of_dq = dq[slot, h]
+    for r in range(rows):
+        out, tile_row = rows_of_dq[row + r], dq_tile[r]
+        for e in range(dim):
+            out[e] += scale * tile_row[e]
+
+
+@njit(fastmath=FASTMATH)
+def amx_add_transposed_product(x_t, b, h, i0, rows, pairs, cols, out):
+    """out[:, :cols] += X^T (rows i0 .. i0 + rows - 1 of head h of sequence b in a
+    transposed pack) @ pairs (`pair_rows` of those rows; its pairs past them zeroed here)
+    on AMX tiles. The depth runs to the step of 32 rows: X^T's columns past `rows` meet
+    zero pairs (the pack holds 32 zero columns past the longest sequence)."""
+    steps = (rows + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS)
+    pairs[(rows + 1) // 2 : steps * TILE_PAIRS] = 0
+    head = x_t[b, h]
+    col_tiles = (cols + TILE_ROWS - 1) // TILE_ROWS
+    rows_of_x, b_view = (head, i0, head.shape[1]), (pairs, 0, pairs.shape[1], 2 * LANES)
+    amx_product(rows_of_x, b_view, (out, 0, out.shape[1]), out.shape[0] // TILE_ROWS, col_tiles,
+                steps, True)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
 def bf16_tile_buffers(operands, variant, block_m, block_n):
     """`bf16_key_tile_gradients`' scratch for key tiles of up to block_n keys, one set per
     work item: P, dS and the softcap's factor (fp32), P and dS in pairs of rows and dS
-    rounded (bf16), a key tile's dK^T and dV^T (fp32)."""
-    f32, row_pairs = np.float32, (block_m + 1) // 2
+    rounded (bf16), a key tile's dK^T and dV^T, a query tile's dS K (fp32); in whole AMX
+    tiles where they take part in AMX's products."""
+    f32 = np.float32
     return (
-        np.empty((block_m, block_n), f32), np.empty((block_m, block_n), f32),
+        score_tiles(block_m, block_n), score_tiles(block_m, block_n),
         np.empty((block_m if variant[5] != 0 else 0, block_n), f32),
-        np.empty((row_pairs, 2 * block_n), np.uint16),
-        np.empty((row_pairs, 2 * block_n), np.uint16),
-        np.empty((block_m, block_n + 1), np.uint16),
-        np.empty((operands[3].shape[2], block_n), f32),
-        np.empty((operands[4].shape[2], block_n), f32),
+        pair_tiles(block_m, block_n), pair_tiles(block_m, block_n), rounded_tiles(block_m, block_n),
+        score_tiles(operands[3].shape[2], block_n), score_tiles(operands[4].shape[2], block_n),
+        score_tiles(block_m, operands[2].shape[3] // 2),
     )  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
 def bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, dq, dk, dv,
-                            dmask, b, hk, j0, cols, block_m, buffers, with_dq):  # fmt: skip
+                            dmask, b, hk, j0, cols, block_m, buffers, with_dq, amx):  # fmt: skip
     """`key_tile_gradients` on bf16 tiles (`pack_bf16_backward`'s operands, in
-    `bf16_tile_buffers`)."""
+    `bf16_tile_buffers`; `amx`: S and dP on AMX tiles)."""
     key_pairs, q_t, do_t = operands[2], operands[3], operands[4]
-    p, ds, dtanh, p_pairs, ds_pairs, ds16, dk_t, dv_t = buffers
+    p, ds, dtanh, p_pairs, ds_pairs, ds16, dk_t, dv_t, dq_tile = buffers
     group = q.shape[1] // key_pairs.shape[1]
     scale2, scale32 = np.float32(scale * LOG2E), np.float32(scale)
     want_dmask = with_dq and dmask.shape[0] > 0
@@ -764,20 +849,29 @@ def bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta,
                 continue
             bf16_score_gradients(
                 q, grad_out, operands, variant, scale2, stats, delta, dmask, b, h, i0, rows, j0,
-                cols, structure, p, ds, dtanh, want_dmask,
+                cols, structure, p, ds, dtanh, want_dmask, amx,
             )  # fmt: skip
-            row_pairs = (rows + 1) // 2
             pair_rows(p, rows, cols, p_pairs)
+            pair_rows(ds, rows, cols, ds_pairs)
+            if amx:  # dK^T unscaled here, scaled once when the key tile is done
+                amx_add_transposed_product(do_t, b, h, i0, rows, p_pairs, cols, dv_t)
+                amx_add_transposed_product(q_t, b, h, i0, rows, ds_pairs, cols, dk_t)
+                if with_dq:
+                    amx_add_dq(ds, ds16, rows, cols, key_pairs, b, hk, j0, dq_tile, dq, slot, h,
+                               q0 + i0, scale32)  # fmt: skip
+                continue
+            row_pairs = (rows + 1) // 2
             p_view, dv_view = (p_pairs, 0, p_pairs.shape[1], 2 * LANES), (dv_t, 0, dv_t.shape[1])
             do_t_view = transposed_view(do_t, b, h, i0)
             tile_product(row_pairs, ONE, ONE, do_t_view, p_view, dv_view, dv_t.shape[0], cols)
-            pair_rows(ds, rows, cols, ds_pairs)
             ds_view, dk_view = (ds_pairs, 0, ds_pairs.shape[1], 2 * LANES), (dk_t, 0, dk_t.shape[1])
             q_t_view = transposed_view(q_t, b, h, i0)
             tile_product(row_pairs, scale32, ONE, q_t_view, ds_view, dk_view, dk_t.shape[0], cols)
             if with_dq:
                 bf16_add_dq(ds, ds16, rows, cols, key_pairs, b, hk, j0, dq, slot, h, q0 + i0,
                             scale32)  # fmt: skip
+    if amx:
+        dk_t[:, :cols] *= scale32
     keys = slice(k0 + j0, k0 + j0 + cols)
     add_transposed(dk_t, dk[slot, hk, keys])
     add_transposed(dv_t, dv[slot, hk, keys])
@@ -785,7 +879,7 @@ def bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta,
 
 @njit(parallel=True, fastmath=FASTMATH)
 def bf16_backward_dkdv(q_any, do_any, operands, variant, scale, stats, delta, dk, dv, block_m,
-                       block_n):  # fmt: skip
+                       block_n, amx):  # fmt: skip
     """`attention_backward_dkdv` on bf16 tiles."""
     q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
     kv_heads = operands[2].shape[1]
@@ -799,12 +893,13 @@ def bf16_backward_dkdv(q_any, do_any, operands, variant, scale, stats, delta, dk
             continue
         buffers = bf16_tile_buffers(operands, variant, block_m, cols)
         bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, unused, dk,
-                                dv, unused, b, hk, j0, cols, block_m, buffers, False)  # fmt: skip
+                                dv, unused, b, hk, j0, cols, block_m, buffers, False,
+                                amx)  # fmt: skip
 
 
 @njit(parallel=True, fastmath=FASTMATH)
 def bf16_backward_fused(q_any, do_any, operands, variant, scale, stats, delta, dq, dk, dv,
-                        dmask, block_m, block_n):  # fmt: skip
+                        dmask, block_m, block_n, amx):  # fmt: skip
     """`attention_backward_fused` on bf16 tiles."""
     q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
     kv_heads = operands[2].shape[1]
@@ -815,7 +910,7 @@ def bf16_backward_fused(q_any, do_any, operands, variant, scale, stats, delta, d
         for j0 in range(0, kv_len, block_n):
             bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, dq, dk,
                                     dv, dmask, b, hk, j0, min(block_n, kv_len - j0), block_m,
-                                    buffers, True)  # fmt: skip
+                                    buffers, True, amx)  # fmt: skip
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -895,12 +990,14 @@ def forward_kind(inputs: AttentionInputs) -> int | None:
 
 
 def amx_tiles(inputs: AttentionInputs) -> bool:
-    """Whether a bf16 forward runs on AMX tiles: where the route is AMX and the head dims
-    fill whole tiles (E a multiple of 32, Ev of 16); vdpbf16ps micro-kernels otherwise."""
+    """Whether a bf16 call's products against packed panels run on AMX tiles (the forward's
+    two, the backward's S and dP): where the route is AMX and both head dims fill whole
+    steps of depth (multiples of 32); vdpbf16ps micro-kernels otherwise."""
+    step = 2 * TILE_PAIRS
     return (
         tile_route("bf16")[0] == "amx"
-        and inputs.head_dim % (2 * TILE_PAIRS) == 0
-        and inputs.value_dim % TILE_ROWS == 0
+        and inputs.head_dim % step == 0
+        and inputs.value_dim % step == 0
     )
 
 
@@ -927,11 +1024,20 @@ def packing_buffers(k, v, variant, kind, amx) -> tuple[np.ndarray, np.ndarray]:
     longest_keys = longest_in_table(variant, 4)
     panels = (longest_keys + LANES - 1) // LANES
     dtype = np.float32 if kind == FP32 else np.uint16
-    key_panels = np.empty((count, kv_heads, panels, depth, width), dtype)
+    key_panels = line_aligned((count, kv_heads, panels, depth, width), dtype)
     pairs = (longest_keys + 1) // 2 + (TILE_PAIRS if amx else 0)
     pairs_shape = (count, kv_heads, pairs, 2 * v.shape[3])
-    value_pairs = np.empty(pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
+    value_pairs = line_aligned(pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
     return key_panels, value_pairs
+
+
+def line_aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """np.empty(shape, dtype) starting on a 64-byte line (numpy's start 16 bytes past one
+    here): AMX's tile rows then lie in whole lines."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(size + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip : skip + size].view(dtype).reshape(shape)
 
 
 def tile_sizes(inputs: AttentionInputs, backward: bool = False) -> tuple[int, int]:
@@ -963,12 +1069,14 @@ def bf16_backward_operands(q, k, v, do, variant) -> tuple[np.ndarray, ...]:
     count, q_heads, kv_heads = variant[4].shape[0], q.shape[1], k.shape[1]
     longest_keys, longest_queries = longest_in_table(variant, 4), longest_in_table(variant, 2)
     panels = (longest_keys + LANES - 1) // LANES
+    # AMX's products read a step of 32 keys or query rows past a tile's last: zeros there.
+    pairs, columns = (longest_keys + 1) // 2 + TILE_PAIRS, longest_queries + 1 + 2 * TILE_PAIRS
     operands = (
-        np.empty((count, kv_heads, panels, k.shape[3] // 2, 2 * LANES), np.uint16),
-        np.empty((count, kv_heads, panels, v.shape[3] // 2, 2 * LANES), np.uint16),
-        np.empty((count, kv_heads, (longest_keys + 1) // 2, 2 * k.shape[3]), np.uint16),
-        np.empty((count, q_heads, q.shape[3], longest_queries + 1), np.uint16),
-        np.empty((count, q_heads, do.shape[3], longest_queries + 1), np.uint16),
+        line_aligned((count, kv_heads, panels, k.shape[3] // 2, 2 * LANES), np.uint16),
+        line_aligned((count, kv_heads, panels, v.shape[3] // 2, 2 * LANES), np.uint16),
+        line_aligned((count, kv_heads, pairs, 2 * k.shape[3]), np.uint16),
+        line_aligned((count, q_heads, q.shape[3], columns), np.uint16),
+        line_aligned((count, q_heads, do.shape[3], columns), np.uint16),
     )
     run_parallel(pack_bf16_backward, *map(any_layout, (q, k, v, do)), variant, operands)
     return operands
@@ -1032,12 +1140,13 @@ def numba_attention_backward(
         if bf16:
             common = (any_layout(q), any_layout(do), bf16_backward_operands(q, k, v, do, variant),
                       variant, inputs.scale, stats, delta)  # fmt: skip
+            amx = amx_tiles(inputs)
             if fused:
                 run_parallel(bf16_backward_fused, *common, dq_array, dk_array, dv_array,
-                             dmask_array, *blocks)  # fmt: skip
+                             dmask_array, *blocks, amx)  # fmt: skip
             else:
-                run_parallel(bf16_backward_dq, *common, dq_array, dmask_array, *blocks)
-                run_parallel(bf16_backward_dkdv, *common, dk_array, dv_array, *blocks)
+                run_parallel(bf16_backward_dq, *common, dq_array, dmask_array, *blocks, amx)
+                run_parallel(bf16_backward_dkdv, *common, dk_array, dv_array, *blocks, amx)
         else:
             common = (*map(any_layout, (q, k, v)), transposed_panels(k, v, variant), variant,
                       inputs.scale, stats, any_layout(do), delta)  # fmt: skip

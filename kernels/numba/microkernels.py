@@ -80,7 +80,7 @@ def tile_route(kind: str) -> tuple[str, str]:
     "amx", "avx512-bf16", "avx512" or "avx2" (our tile kernels), or "blas".
 
     bf16 goes on AMX ("amx") where numba's target has AMX-BF16 and Linux grants its tiles:
-    the forward's products on our tdpbf16ps tiles, the rest on vdpbf16ps micro-kernels.
+    the attention products on our tdpbf16ps tiles (`attention.amx_tiles`).
 
     ATTNPERF_NUMBA_TILES=blas|own insists on BLAS or on our micro-kernels for fp32 (own
     ones without AVX2 run on LLVM's split vectors: for tests, not speed);
@@ -100,8 +100,8 @@ def tile_route(kind: str) -> tuple[str, str]:
                 why += f" (AMX present but unusable: {refusal})"
             else:
                 return "amx", (
-                    "AMX-BF16: the forward's products on our tdpbf16ps tiles (E a multiple "
-                    "of 32, Ev of 16), the rest on vdpbf16ps micro-kernels"
+                    "AMX-BF16: our tdpbf16ps tiles, forward and backward, where E and Ev are "
+                    "multiples of 32; vdpbf16ps micro-kernels for other head dims"
                 )
         return "avx512-bf16", why
     widened = "bf16 widened to " if kind == "bf16" else ""
