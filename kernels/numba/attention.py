@@ -11,7 +11,7 @@ from torch import Tensor
 
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.amx import TILE_PAIRS, TILE_ROWS, aligned_empty, amx_product
-from attnperf.kernels.numba.fastmath import LOG2E, exp2, exp2_shifted, row_maximum
+from attnperf.kernels.numba.fastmath import LOG2E, exp2, exp2_for_bf16, exp2_shifted, row_maximum
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index, wide_vectors
 from attnperf.kernels.numba.launch import (
     any_layout,
@@ -250,7 +250,7 @@ def online_softmax_to_bf16(s, factor, p16, rows, cols, acc, row_max, row_sum, sh
         row_max[r] = new_max
         total = np.float32(0.0)
         for c in range(cols):
-            p = exp2(s_row[c] * factor - shift[r])
+            p = exp2_for_bf16(s_row[c] * factor - shift[r])
             total += p
             p16_row[c] = to_bf16(p)
         row_sum[r] = row_sum[r] * alpha + total

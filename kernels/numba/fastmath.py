@@ -104,6 +104,36 @@ def exp2(t):
     return p * float32_from_bits((np.int32(whole) + 127) << 23)
 
 
+# The same fit at degree 5: within 1.9e-7 relative (about 3 ulp), for probabilities that are
+# rounded to bf16 (2**-9 relative) before they are used.
+EXP2_BF16_COEFFS = tuple(
+    np.float32(c)
+    for c in (
+        1.0, 0.6931470036506653, 0.24022242426872253, 0.05550733581185341,
+        0.009671512991189957, 0.0013264723820611835,
+    )
+)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def exp2_for_bf16(t):
+    """`exp2` for softmax probabilities rounded to bf16 next: a degree-5 polynomial on t
+    rounded to the nearest integer (one vrndscaleps), 2 ops of 17 fewer a vector; the
+    same flush below 2**-126.5 (a masked -inf score gives exactly 0) and NaN."""
+    c0, c1, c2, c3, c4, c5 = EXP2_BF16_COEFFS
+    clamped = np.float32(-127.0) if t < np.float32(-127.0) else t
+    n = np.rint(clamped)
+    f = clamped - n
+    p = c5
+    p = p * f + c4
+    p = p * f + c3
+    p = p * f + c2
+    p = p * f + c1
+    p = p * f + c0
+    whole = n if n > np.float32(-127.0) else np.float32(-127.0)
+    return p * float32_from_bits((np.int32(whole) + 127) << 23)
+
+
 @njit(fastmath=FASTMATH)
 def exp2_shifted(row, cols, shift, factor):
     """row[c] <- 2 ** (row[c] - shift) * factor in place, vectorised; returns the sum (all
