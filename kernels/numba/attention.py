@@ -220,7 +220,8 @@ def amx_query_rows(q, slot, h, row, rows):
 @njit(fastmath=FASTMATH)
 def amx_scores(q_rows, key_panels, b, hk, j0, s, cols):
     """s[:, :cols] = Q K^T (unscaled) of the padded query rows (`amx_query_rows`) against
-    keys j0.. on AMX tiles; the extra rows and columns (to sixteens) get the padding's."""
+    keys j0.. on AMX tiles; the extra rows and columns (to sixteens) get the padding's. The
+    backward's dP = dO V^T too: dO's rows against the values' panels."""
     head, at, row_stride, panel_stride = panels_view(key_panels, b, hk, j0)
     col_tiles = (cols + TILE_ROWS - 1) // TILE_ROWS
     steps = q_rows.shape[1] // (2 * TILE_PAIRS)
