@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import numpy as np
 
@@ -152,6 +153,37 @@ def tile_dot(typingctx, c, a, b):
         return context.get_dummy_value()
 
     return types.void(c, a, b), codegen
+
+
+def line_aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """np.empty(shape, dtype) starting on a 64-byte line (numpy's start 16 bytes past one
+    here), for arrays packed outside the kernels: `aligned_empty`'s reason."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(size + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip : skip + size].view(dtype).reshape(shape)
+
+
+@njit()
+def whole_tiles(count):
+    """count rounded up to a multiple of 16: rows or columns in whole tiles."""
+    return (count + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
+
+
+@njit()
+def depth_steps(count):
+    """Steps of depth (16 pairs: 32 bf16 keys or rows) that cover count elements."""
+    return (count + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS)
+
+
+@njit()
+def zero_to_step(x, rows, cols):
+    """x[:rows, cols:] <- 0 to the end of the last step of depth that holds column cols - 1
+    (A's depth past the data must be zeros); returns the steps."""
+    steps = depth_steps(cols)
+    for r in range(rows):
+        x[r, cols : steps * 2 * TILE_PAIRS] = 0
+    return steps
 
 
 @njit()
@@ -303,4 +335,3 @@ def amx_peak_loop(iterations):
         tile_dot(2, 5, 6)
         tile_dot(3, 5, 7)
     release_tiles()
-    return 0.0

@@ -10,7 +10,16 @@ import torch
 from torch import Tensor
 
 from attnperf.inputs import AttentionInputs
-from attnperf.kernels.numba.amx import TILE_PAIRS, TILE_ROWS, aligned_empty, amx_product
+from attnperf.kernels.numba.amx import (
+    TILE_PAIRS,
+    TILE_ROWS,
+    aligned_empty,
+    amx_product,
+    depth_steps,
+    line_aligned,
+    whole_tiles,
+    zero_to_step,
+)
 from attnperf.kernels.numba.fastmath import LOG2E, exp2, exp2_for_bf16, exp2_shifted, row_maximum
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index, wide_vectors
 from attnperf.kernels.numba.launch import (
@@ -99,10 +108,12 @@ def online_softmax_tiles(
 
 @njit(fastmath=FASTMATH)
 def softmax_state(rows, block_n, value_dim):
-    """A query tile's online-softmax state: the score tile, the unnormalised accumulator,
-    and each row's running max, sum and shift (nothing seen yet)."""
-    s = np.empty((rows, block_n), np.float32)
-    acc = np.zeros((rows, value_dim), np.float32)
+    """A query tile's online-softmax state: the score tile, the unnormalised accumulator
+    (both on 64-byte lines, as AMX's tiles take them), and each row's running max, sum and
+    shift (nothing seen yet)."""
+    f32 = np.empty(0, np.float32)
+    s, acc = aligned_empty(rows, block_n, f32), aligned_empty(rows, value_dim, f32)
+    acc[:] = 0
     row_max = np.full(rows, -np.inf, np.float32)
     return s, acc, row_max, np.zeros(rows, np.float32), np.zeros(rows, np.float32)
 
@@ -211,7 +222,7 @@ def transposed_view(x_t, b, h, i0):
 def amx_query_rows(q, slot, h, row, rows):
     """Query rows q[slot, h, row : row + rows] copied into whole AMX tiles: rows in
     sixteens, zeros past `rows`."""
-    padded = aligned_empty((rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS, q.shape[3], q[0, 0])
+    padded = aligned_empty(whole_tiles(rows), q.shape[3], q[0, 0])
     padded[:rows] = q[slot, h, row : row + rows]
     padded[rows:] = 0
     return padded
@@ -222,12 +233,10 @@ def amx_scores(q_rows, key_panels, b, hk, j0, s, cols):
     """s[:, :cols] = Q K^T (unscaled) of the padded query rows (`amx_query_rows`) against
     keys j0.. on AMX tiles; the extra rows and columns (to sixteens) get the padding's. The
     backward's dP = dO V^T too: dO's rows against the values' panels."""
-    head, at, row_stride, panel_stride = panels_view(key_panels, b, hk, j0)
-    col_tiles = (cols + TILE_ROWS - 1) // TILE_ROWS
-    steps = q_rows.shape[1] // (2 * TILE_PAIRS)
-    keys = (head, at, row_stride, panel_stride)
-    amx_product((q_rows, 0, q_rows.shape[1]), keys, (s, 0, s.shape[1]),
-                q_rows.shape[0] // TILE_ROWS, col_tiles, steps, False)  # fmt: skip
+    keys = panels_view(key_panels, b, hk, j0)
+    row_tiles, col_tiles = q_rows.shape[0] // TILE_ROWS, whole_tiles(cols) // TILE_ROWS
+    amx_product((q_rows, 0, q_rows.shape[1]), keys, (s, 0, s.shape[1]), row_tiles, col_tiles,
+                depth_steps(q_rows.shape[1]), False)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -265,9 +274,7 @@ def amx_add_values(p16, rows, cols, value_pairs, b, hk, j0, acc):
     """acc += P V on AMX tiles: P rounded to bf16 in p16[:rows, :cols] (whole tiles of
     rows; its columns padded here with zeros to steps of 32 keys) against the values of keys
     j0.. in pairs (`pack_vnni`, zeros past the last key)."""
-    steps = (cols + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS)
-    for r in range(rows):
-        p16[r, cols : steps * 2 * TILE_PAIRS] = 0
+    steps = zero_to_step(p16, rows, cols)
     amx_product((p16, 0, p16.shape[1]), pairs_view(value_pairs, b, hk, j0), (acc, 0, acc.shape[1]),
                 p16.shape[0] // TILE_ROWS, acc.shape[1] // TILE_ROWS, steps, True)  # fmt: skip
 
@@ -292,16 +299,13 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
     # The score tile as wide as the keys need (whole vectors): a short call's 64 keys would
     # otherwise allocate, and fault in, 512 columns per item.
     width = min(block_n, (kv_len + LANES - 1) // LANES * LANES)
-    # On AMX the tiles' rows are whole sixteens, P's columns whole steps of 32 keys.
-    tile_rows = (rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS if amx else rows
-    p16_width = (width + 31) // 32 * 32 if amx else width + 1
+    # On AMX the tiles' rows are whole sixteens (P's extra rows zeros), P's columns whole
+    # steps of 32 keys.
+    tile_rows = whole_tiles(rows) if amx else rows
+    p16_width = depth_steps(width) * 2 * TILE_PAIRS if amx else width + 1
     s, acc, row_max, row_sum, shift = softmax_state(tile_rows, width, value_dim)
-    p16 = np.empty((tile_rows, p16_width if bf16 else 0), np.uint16)
-    if amx:  # the tiles' rows in whole lines; P's padding rows zeros
-        s, acc = aligned_empty(tile_rows, width, s), aligned_empty(tile_rows, value_dim, acc)
-        p16 = aligned_empty(tile_rows, p16_width, p16)
-        acc[:] = 0
-        p16[rows:] = 0
+    p16 = aligned_empty(tile_rows, p16_width if bf16 else 0, np.empty(0, np.uint16))
+    p16[rows:] = 0
     hk = h // group
     q_view = rows_view(q, slot, h, q0 + i0)
     q_rows = amx_query_rows(q, slot, h, q0 + i0, rows) if amx else aligned_empty(0, 0, q[0, 0])
@@ -341,7 +345,7 @@ def packed_forward(q_any, k_any, v_any, key_panels, value_pairs, variant, scale,
     bf16 values) packed once into key_panels (value_pairs), then every query tile over
     them. fp32 (q, k, v float32) or bf16 (q, k, v bf16 bits, values packed in pairs, P
     rounded to bf16 before P V; E even). Scores, softmax and accumulation in fp32. `amx`:
-    bf16's products on AMX tiles (`amx_tiles`; value_pairs 32 keys longer, zeros).
+    bf16's products on AMX tiles (`amx_tiles`; value_pairs a step of 32 keys longer, zeros).
 
     One call for both steps: a short call paid ~4 us of arguments per kernel call, and its
     packing ran on one thread to spare a second parallel region."""
@@ -714,8 +718,8 @@ def bf16_add_dq(ds, ds16, rows, cols, key_pairs, b, hk, j0, dq, slot, h, row, sc
 @njit(parallel=True, fastmath=FASTMATH)
 def bf16_backward_dq(q_any, do_any, operands, variant, scale, stats, delta, dq, dmask, block_m,
                      block_n, amx):  # fmt: skip
-    """`attention_backward_dq` on bf16 tiles (`pack_bf16_backward`'s operands; `amx`: S and
-    dP on AMX tiles)."""
+    """`attention_backward_dq` on bf16 tiles (`pack_bf16_backward`'s operands; `amx`: on
+    AMX tiles)."""
     q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
     key_pairs = operands[2]
     q_heads = q.shape[1]
@@ -750,10 +754,7 @@ def bf16_backward_dq(q_any, do_any, operands, variant, scale, stats, delta, dq, 
 def score_tiles(rows, cols):
     """A (rows, cols) fp32 score tile that AMX's tiles may fill whole: rows and columns up
     to sixteens, its rows in whole lines (`aligned_empty`)."""
-    like = np.empty(0, np.float32)
-    tile = aligned_empty((rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS,
-                         (cols + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS, like)  # fmt: skip
-    return tile
+    return aligned_empty(whole_tiles(rows), whole_tiles(cols), np.empty(0, np.float32))
 
 
 @njit(fastmath=FASTMATH)
@@ -761,9 +762,7 @@ def pair_tiles(rows, cols):
     """P or dS of (rows, cols) in pairs of rows (`pair_rows`), as AMX's B tiles may read
     them whole: pairs of rows to steps of 16 pairs, columns to sixteens."""
     like = np.empty(0, np.uint16)
-    steps = (rows + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS)
-    return aligned_empty(steps * TILE_PAIRS, 2 * ((cols + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS),
-                         like)  # fmt: skip
+    return aligned_empty(depth_steps(rows) * TILE_PAIRS, 2 * whole_tiles(cols), like)
 
 
 @njit(fastmath=FASTMATH)
@@ -771,9 +770,7 @@ def rounded_tiles(rows, cols):
     """dS of (rows, cols) rounded to bf16 (`round_probabilities`), as AMX's A tiles may read
     it whole: rows to sixteens, columns to steps of 32, zeros."""
     like = np.empty(0, np.uint16)
-    tile = aligned_empty((rows + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS,
-                         (cols + 1 + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS) * 2 * TILE_PAIRS,
-                         like)  # fmt: skip
+    tile = aligned_empty(whole_tiles(rows), depth_steps(cols + 1) * 2 * TILE_PAIRS, like)
     tile[:] = 0
     return tile
 
@@ -783,11 +780,9 @@ def amx_add_dq(ds, ds16, rows, cols, key_pairs, b, hk, j0, dq_tile, dq, slot, h,
     """`bf16_add_dq` on AMX tiles: dS rounded into ds16 (`rounded_tiles`), its columns
     zeroed to the step of 32 keys; dS K into dq_tile, then scaled into dq."""
     round_probabilities(ds, ds16, rows, cols)
-    steps = (cols + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS)
-    for r in range(rows):
-        ds16[r, cols : steps * 2 * TILE_PAIRS] = 0
+    steps = zero_to_step(ds16, rows, cols)
     dim = key_pairs.shape[3] // 2
-    row_tiles = (rows + TILE_ROWS - 1) // TILE_ROWS
+    row_tiles = whole_tiles(rows) // TILE_ROWS
     keys, tile = pairs_view(key_pairs, b, hk, j0), (dq_tile, 0, dq_tile.shape[1])
     amx_product((ds16, 0, ds16.shape[1]), keys, tile, row_tiles, dim // TILE_ROWS, steps, False)
     rows_of_dq = dq[slot, h]
@@ -803,10 +798,10 @@ def amx_add_transposed_product(x_t, b, h, i0, rows, pairs, cols, out):
     transposed pack) @ pairs (`pair_rows` of those rows; its pairs past them zeroed here)
     on AMX tiles. The depth runs to the step of 32 rows: X^T's columns past `rows` meet
     zero pairs (the pack holds 32 zero columns past the longest sequence)."""
-    steps = (rows + 2 * TILE_PAIRS - 1) // (2 * TILE_PAIRS)
+    steps = depth_steps(rows)
     pairs[(rows + 1) // 2 : steps * TILE_PAIRS] = 0
     head = x_t[b, h]
-    col_tiles = (cols + TILE_ROWS - 1) // TILE_ROWS
+    col_tiles = whole_tiles(cols) // TILE_ROWS
     rows_of_x, b_view = (head, i0, head.shape[1]), (pairs, 0, pairs.shape[1], 2 * LANES)
     amx_product(rows_of_x, b_view, (out, 0, out.shape[1]), out.shape[0] // TILE_ROWS, col_tiles,
                 steps, True)  # fmt: skip
@@ -832,7 +827,7 @@ def bf16_tile_buffers(operands, variant, block_m, block_n):
 def bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, dq, dk, dv,
                             dmask, b, hk, j0, cols, block_m, buffers, with_dq, amx):  # fmt: skip
     """`key_tile_gradients` on bf16 tiles (`pack_bf16_backward`'s operands, in
-    `bf16_tile_buffers`; `amx`: S and dP on AMX tiles)."""
+    `bf16_tile_buffers`; `amx`: all five products on AMX tiles)."""
     key_pairs, q_t, do_t = operands[2], operands[3], operands[4]
     p, ds, dtanh, p_pairs, ds_pairs, ds16, dk_t, dv_t, dq_tile = buffers
     group = q.shape[1] // key_pairs.shape[1]
@@ -991,9 +986,9 @@ def forward_kind(inputs: AttentionInputs) -> int | None:
 
 
 def amx_tiles(inputs: AttentionInputs) -> bool:
-    """Whether a bf16 call's products against packed panels run on AMX tiles (the forward's
-    two, the backward's S and dP): where the route is AMX and both head dims fill whole
-    steps of depth (multiples of 32); vdpbf16ps micro-kernels otherwise."""
+    """Whether a bf16 call's dense products run on AMX tiles (the forward's two, the
+    backward's five): where the route is AMX and both head dims fill whole steps of depth
+    (multiples of 32); vdpbf16ps micro-kernels otherwise."""
     step = 2 * TILE_PAIRS
     return (
         tile_route("bf16")[0] == "amx"
@@ -1030,15 +1025,6 @@ def packing_buffers(k, v, variant, kind, amx) -> tuple[np.ndarray, np.ndarray]:
     pairs_shape = (count, kv_heads, pairs, 2 * v.shape[3])
     value_pairs = line_aligned(pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
     return key_panels, value_pairs
-
-
-def line_aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """np.empty(shape, dtype) starting on a 64-byte line (numpy's start 16 bytes past one
-    here): AMX's tile rows then lie in whole lines."""
-    size = math.prod(shape) * np.dtype(dtype).itemsize
-    raw = np.empty(size + 64, np.uint8)
-    skip = -raw.ctypes.data % 64
-    return raw[skip : skip + size].view(dtype).reshape(shape)
 
 
 def tile_sizes(inputs: AttentionInputs, backward: bool = False) -> tuple[int, int]:

@@ -90,7 +90,7 @@ def exp2(t):
     # on through the polynomial, and the exponent's integer never comes from a NaN (fptosi
     # of NaN is undefined). With a NaN-restoring blend at the end and the degree-7
     # polynomial, a 128 x 512 tile's exp2 took 1.4x the time (Zen 3, AVX2).
-    clamped = np.float32(-127.0) if t < np.float32(-127.0) else t
+    clamped = at_least_minus_127(t)
     n = np.floor(clamped + np.float32(0.5))
     f = clamped - n
     p = c6
@@ -100,6 +100,20 @@ def exp2(t):
     p = p * f + c2
     p = p * f + c1
     p = p * f + c0
+    return times_two_to(p, n)
+
+
+@njit(fastmath=FASTMATH)
+def at_least_minus_127(t):
+    """max(t, -127) as one vmaxps, whose unordered case gives its second operand: NaN goes
+    on (into the polynomial) rather than to -127."""
+    return np.float32(-127.0) if t < np.float32(-127.0) else t
+
+
+@njit(fastmath=FASTMATH)
+def times_two_to(p, n):
+    """p * 2 ** n for an integral n >= -127, 2 ** n built in a float's exponent field: 0
+    at n = -127 (a flush to zero), and for a NaN n (whose fptosi would be undefined)."""
     whole = n if n > np.float32(-127.0) else np.float32(-127.0)
     return p * float32_from_bits((np.int32(whole) + 127) << 23)
 
@@ -121,17 +135,11 @@ def exp2_for_bf16(t):
     rounded to the nearest integer (one vrndscaleps), 2 ops of 17 fewer a vector; the
     same flush below 2**-126.5 (a masked -inf score gives exactly 0) and NaN."""
     c0, c1, c2, c3, c4, c5 = EXP2_BF16_COEFFS
-    clamped = np.float32(-127.0) if t < np.float32(-127.0) else t
+    clamped = at_least_minus_127(t)
     n = np.rint(clamped)
     f = clamped - n
-    p = c5
-    p = p * f + c4
-    p = p * f + c3
-    p = p * f + c2
-    p = p * f + c1
-    p = p * f + c0
-    whole = n if n > np.float32(-127.0) else np.float32(-127.0)
-    return p * float32_from_bits((np.int32(whole) + 127) << 23)
+    p = ((((c5 * f + c4) * f + c3) * f + c2) * f + c1) * f + c0
+    return times_two_to(p, n)
 
 
 @njit(fastmath=FASTMATH)

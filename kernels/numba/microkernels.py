@@ -93,11 +93,11 @@ def tile_route(kind: str) -> tuple[str, str]:
     if kind == "bf16" and "avx512bf16" in features:
         why = "AVX512-BF16: our vdpbf16ps micro-kernels, forward and backward"
         if {"amx-bf16", "amx-tile"} <= features:
-            granted, refusal = amx_permitted()
+            # Only a route that may take AMX asks Linux for its tiles.
             if os.environ.get("ATTNPERF_NUMBA_AMX", "1") == "0":
                 why += " (AMX present; ATTNPERF_NUMBA_AMX=0 keeps bf16 off it)"
-            elif not granted:
-                why += f" (AMX present but unusable: {refusal})"
+            elif not amx_permitted()[0]:
+                why += f" (AMX present but unusable: {amx_permitted()[1]})"
             else:
                 return "amx", (
                     "AMX-BF16: our tdpbf16ps tiles, forward and backward, where E and Ev are "
