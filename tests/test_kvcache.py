@@ -13,6 +13,7 @@ import attnperf
 from attnperf import dispatch
 from attnperf.backend import FEATURES
 from attnperf.kernels.numba import kvcache as numba_kvcache
+from attnperf.kernels.numba.microkernels import tile_route
 from attnperf.serving import prepare_kvcache
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
@@ -315,11 +316,13 @@ def test_numba_decode_any_rows_per_group_any_keys_per_tile(q_heads, q_len):
         assert_agrees(lse, exact[1], baseline[1], what="lse")
 
 
+NO_AMX = pytest.mark.skipif(tile_route("bf16")[0] != "amx", reason=tile_route("bf16")[1])
 STEP_KINDS = [
     (torch.float32, numba_kvcache.FP32, (1, 40, 59, 100)),
     (torch.float32, numba_kvcache.LOOPS, (40,)),
     (torch.bfloat16, numba_kvcache.BF16, (2, 40, 100)),
     (torch.bfloat16, numba_kvcache.LOOPS, (40, 59)),
+    pytest.param(torch.bfloat16, numba_kvcache.AMX, (32, 64), marks=NO_AMX),
 ]
 
 
@@ -351,6 +354,26 @@ def test_numba_decode_at_realistic_size_keeps_the_2x_rule(dtype, monkeypatch):
     out, lse, _, _ = run(dispatch.registry()["numba"], call)
     assert_agrees(out, exact[0], baseline[0])
     assert_agrees(lse, exact[1], baseline[1], what="lse")
+
+
+@NO_AMX
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_numba_decode_on_amx_keeps_the_2x_rule_in_every_preset_and_layout(preset):
+    """The AMX step (E a multiple of 32) under each preset's variant, in contiguous, paged
+    and head-major caches: tiles of 16 keys that end mid-chunk at each sequence's end (the
+    keys copied before a tile loads them), and 12 rows or, with Lq = 5, 20 (two row tiles)."""
+    numba = dispatch.registry()["numba"]
+    for q_len in sorted({PRESETS[preset]["q_len"], 5}):
+        variant = dict(PRESETS[preset], q_len=q_len)
+        variant["new"] = min(variant["new"], q_len)
+        call = cache_call(torch.bfloat16, head_dim=32, **variant)
+        assert numba_kvcache.decode_kind(prepare_kvcache(**call), False) == numba_kvcache.AMX
+        exact = expected(float64_reference, call)
+        baseline = expected(same_precision_reference, call)
+        for layout in (call, paged(call), head_major(call)):
+            out, lse, _, _ = run(numba, layout)
+            assert_agrees(out, exact[0], baseline[0])
+            assert_agrees(lse, exact[1], baseline[1], what="lse")
 
 
 def test_decode_kind_reads_bf16_pairs_only_at_even_head_dims():
