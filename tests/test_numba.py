@@ -148,6 +148,25 @@ def test_scipy_openblas_serves_when_asked():
     assert result.stdout.strip().endswith("scipy's OpenBLAS")
 
 
+THREADS_CHECK = """
+import torch
+torch.set_num_threads(1)
+import attnperf
+q = torch.randn(1, 8, 256, 64)
+attnperf.attention(q, q, q, backend="numba")  # parallel: 8 query tiles
+print(torch.get_num_threads())
+"""
+
+
+def test_the_first_parallel_kernel_leaves_torch_its_thread_count():
+    """numba's pool, started by the process's first parallel kernel, shares GNU OpenMP with
+    torch: the caller's torch.set_num_threads(1) must still hold after it."""
+    result = subprocess.run([sys.executable, "-c", THREADS_CHECK], capture_output=True,
+                            text=True, timeout=600, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "1"
+
+
 def test_fp32_views_are_read_in_place_and_other_layouts_copied():
     blhe = torch.randn(2, 300, 4, 32)
     in_place = blhe.transpose(1, 2)  # (B, H, L, E) with unit stride along E

@@ -31,7 +31,13 @@ def run_parallel(kernel, *args) -> None:
     _, controller = setup()
     pinned = controller.limit(limits=1, user_api="blas") if controller else nullcontext()
     with _PARALLEL_REGION, pinned:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        threads = torch.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        # numba and torch share GNU OpenMP: starting numba's pool (the first call) set the
+        # caller's OpenMP thread count to numba's, and torch's with it (a caller's
+        # torch.set_num_threads(1) read 2 after the first parallel kernel).
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         kernel(*args)
 
 
