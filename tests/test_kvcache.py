@@ -358,10 +358,12 @@ def test_numba_decode_at_realistic_size_keeps_the_2x_rule(dtype, monkeypatch):
 
 @NO_AMX
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_numba_decode_on_amx_keeps_the_2x_rule_in_every_preset_and_layout(preset):
+def test_numba_decode_on_amx_keeps_the_2x_rule_in_every_preset_and_layout(preset, monkeypatch):
     """The AMX step (E a multiple of 32) under each preset's variant, in contiguous, paged
-    and head-major caches: tiles of 16 keys that end mid-chunk at each sequence's end (the
-    keys copied before a tile loads them), and 12 rows or, with Lq = 5, 20 (two row tiles)."""
+    and head-major caches, on numba's threads and split 3 ways: tiles of 16 keys that end
+    mid-chunk at each sequence's end (the keys copied before a tile loads them), and 12 rows
+    or, with Lq = 5, 20 (two row tiles)."""
+    monkeypatch.setattr(numba_kvcache, "PARALLEL_MIN_BYTES", 0)
     numba = dispatch.registry()["numba"]
     for q_len in sorted({PRESETS[preset]["q_len"], 5}):
         variant = dict(PRESETS[preset], q_len=q_len)
@@ -371,9 +373,10 @@ def test_numba_decode_on_amx_keeps_the_2x_rule_in_every_preset_and_layout(preset
         exact = expected(float64_reference, call)
         baseline = expected(same_precision_reference, call)
         for layout in (call, paged(call), head_major(call)):
-            out, lse, _, _ = run(numba, layout)
-            assert_agrees(out, exact[0], baseline[0])
-            assert_agrees(lse, exact[1], baseline[1], what="lse")
+            for num_splits in (1, 3):
+                out, lse, _, _ = run(numba, layout, num_splits=num_splits)
+                assert_agrees(out, exact[0], baseline[0])
+                assert_agrees(lse, exact[1], baseline[1], what="lse")
 
 
 def test_decode_kind_reads_bf16_pairs_only_at_even_head_dims():

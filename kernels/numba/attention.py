@@ -27,6 +27,7 @@ from attnperf.kernels.numba.launch import (
     as_bf16_bits,
     as_fp32,
     as_numpy,
+    bf16_array,
     float32_array,
     run_parallel,
 )
@@ -121,12 +122,19 @@ def softmax_state(rows, block_n, value_dim):
 @njit(fastmath=FASTMATH)
 def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
     """out[slot, h, first:first + rows] and their stats (base-2 max, sum; the sink's term
-    included) from the online softmax's unnormalised acc, sums and shifts."""
+    included) from the online softmax's unnormalised acc, sums and shifts; a uint16 out
+    takes the rows rounded to bf16 (their bits)."""
+    bf16 = out.itemsize == 2  # bf16 bits
     for r in range(acc.shape[0]):
         # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
         row_max, total, inv = with_sink(variant, h, shift[r], row_sum[r])
-        for e in range(acc.shape[1]):
-            out[slot, h, first + r, e] = acc[r, e] * inv
+        out_row = out[slot, h, first + r]
+        if bf16:
+            for e in range(acc.shape[1]):
+                out_row[e] = to_bf16(acc[r, e] * inv)
+        else:
+            for e in range(acc.shape[1]):
+                out_row[e] = acc[r, e] * inv
         stats[slot, h, first + r, 0] = row_max
         stats[slot, h, first + r, 1] = total
 
@@ -936,7 +944,9 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     # sink term).
     no_work = not inputs.has_pairs and inputs.variant.sinks is None
     zero = no_work or inputs.has_padding  # nor by a padded batch's padding rows
-    out, out_array = float32_array((*q.shape[:3], v.shape[3]), zero=zero)
+    # bf16 calls on our tiles write their output rounded (the kernel's last pass).
+    output = bf16_array if kind == BF16 else float32_array
+    out, out_array = output((*q.shape[:3], v.shape[3]), zero=zero)
     stats, stats_array = float32_array((*q.shape[:3], 2), zero=zero)
     if not no_work:
         variant = lower_variant(inputs)
@@ -958,7 +968,7 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
             else:
                 run_parallel(packed_forward, *args)
     if out.shape[3] != inputs.value_dim:  # a bf16 call of odd E ran on a zero column more
-        out = out[..., : inputs.value_dim]
+        out = out[..., : inputs.value_dim].contiguous()
     return out.to(inputs.dtype), stats
 
 

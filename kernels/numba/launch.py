@@ -78,13 +78,24 @@ def float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, n
     leaves them spinning on the cores the kernel's threads need (a 32K-element op cost the
     next forward 8 ms of 20, L = 4096, 2 threads).
     """
-    tensor = torch.empty(shape, dtype=torch.float32)
+    return _output(shape, torch.float32, ctypes.c_float, zero)
+
+
+def bf16_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, np.ndarray]:
+    """`float32_array` for a bf16 result: a new bf16 tensor and its bits (uint16) for the
+    kernels to write rounded, with no fp32 copy to convert afterwards."""
+    return _output(shape, torch.bfloat16, ctypes.c_uint16, zero)
+
+
+def _output(shape: tuple[int, ...], dtype: torch.dtype, ctype, zero: bool):
+    tensor = torch.empty(shape, dtype=dtype)
     if tensor.numel() == 0:
-        return tensor, np.zeros(shape, np.float32)
-    ask_huge_pages(tensor.data_ptr(), tensor.numel() * 4)
+        return tensor, np.zeros(shape, np.dtype(ctype))
+    size = tensor.numel() * tensor.element_size()
+    ask_huge_pages(tensor.data_ptr(), size)
     if zero:
-        ctypes.memset(tensor.data_ptr(), 0, tensor.numel() * 4)
-    memory = (ctypes.c_float * tensor.numel()).from_address(tensor.data_ptr())
+        ctypes.memset(tensor.data_ptr(), 0, size)
+    memory = (ctype * tensor.numel()).from_address(tensor.data_ptr())
     return tensor, np.ctypeslib.as_array(memory).reshape(shape)
 
 
