@@ -15,7 +15,9 @@ Products, a 128-row query tile against a 512-key tile as the forward walks them:
 
 And a decode step's products, a GQA group of 4 query rows against a tile of 192 keys, as
 `micro_kernel_tile` walks them: the scores by `scores_by_dots` on key rows as they lie, and
-acc += P V in chunks of 16 keys on values as they lie (a bf16 cache's widened).
+acc += P V in chunks of 16 keys on values as they lie (a bf16 cache's widened); where bf16
+runs on AMX, as `amx_tile` runs them: S^T = K Q^T with the key rows as they lie as A, and
+acc += P V with the tile's values packed in pairs first (the packing counted in).
 
 Then the fp32 forward's tile step by step, each alone: QK^T, the online softmax on the
 score tile (row max, exp2, sums, the accumulator rescaled: each row's max rising by 0.5
@@ -31,10 +33,17 @@ import time
 import numpy as np
 import torch
 
-from attnperf.kernels.numba.amx import amx_product
+from attnperf.kernels.numba.amx import amx_product, depth_steps
 from attnperf.kernels.numba.attention import online_softmax_rescale, online_softmax_to_bf16
 from attnperf.kernels.numba.fastmath import LOG2E
 from attnperf.kernels.numba.jit import FASTMATH, njit
+from attnperf.kernels.numba.kvcache import (
+    AMX,
+    amx_buffers,
+    amx_key_scores,
+    amx_query_pairs,
+    pack_value_pairs,
+)
 from attnperf.kernels.numba.microkernels import (
     gemm_fp32,
     pack_key_panels,
@@ -113,6 +122,21 @@ def repeat_chunked_product(reps, p_view, v_view, acc_view, rows, keys, cols):
                          (p, p_offset + c, p_stride, p_depth_stride),
                          (v, v_offset + c * v_stride, v_stride, v_vector_stride), acc_view,
                          rows, cols)  # fmt: skip
+
+
+@njit()
+def repeat_amx_key_scores(reps, q_pairs, keys, cols, k_tail, st):
+    for _ in range(reps):
+        amx_key_scores(q_pairs, keys, False, cols, k_tail, st)
+
+
+@njit()
+def repeat_amx_values(reps, values, cols, v_pairs, p16, acc):
+    for _ in range(reps):
+        pack_value_pairs(values, False, cols, 1, v_pairs)
+        amx_product((p16, 0, p16.shape[1]), (v_pairs, 0, v_pairs.shape[1], 16),
+                    (acc, 0, acc.shape[1]), 1, acc.shape[1] // 16, depth_steps(cols),
+                    True)  # fmt: skip
 
 
 def repeated(kernel, *args):
@@ -232,6 +256,21 @@ def decode_products(dim, rounds):
         pv = median_seconds(repeated(repeat_chunked_product, *value_args), reps, rounds)
         name = "decode PV (16-key chunks" + (")" if pair == 1 else ", V widened)")
         rows.append((name, dtype, flops, pv, torch_mm(low(p), low(v))))
+    if peak_flops("amx") is None or dim % 32:
+        return rows
+    k16, v16, p16 = (bits(t.bfloat16()) for t in (k, v, p))
+    q_pairs = amx_query_pairs(bits(q.bfloat16())[None], 16)
+    st, k_tail, p_tile, v_pairs = amx_buffers(AMX, 1, 16, DECODE_KEYS, dim, dim)
+    p_tile[:DECODE_ROWS] = p16
+    acc16 = np.zeros((16, dim), np.float32)
+    score_args = (q_pairs, (k16, 0, 0, dim), DECODE_KEYS, k_tail, st)
+    qk = median_seconds(repeated(repeat_amx_key_scores, *score_args), reps, rounds)
+    rows.append((f"decode S^T = K Q^T ({DECODE_ROWS} rows, AMX tiles)", "amx", flops, qk,
+                 torch_mm(k.bfloat16(), q.bfloat16().T)))  # fmt: skip
+    value_args = ((v16, 0, 0, dim), DECODE_KEYS, v_pairs, p_tile, acc16)
+    pv = median_seconds(repeated(repeat_amx_values, *value_args), reps, rounds)
+    rows.append((f"decode PV ({DECODE_ROWS} rows, AMX tiles, V paired per tile)", "amx",
+                 flops, pv, torch_mm(p.bfloat16(), v.bfloat16())))  # fmt: skip
     return rows
 
 

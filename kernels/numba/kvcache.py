@@ -206,6 +206,12 @@ def quantized_values(p, codes, scales, first_row, cols, acc):
 
 LOOPS = -1  # a step's kind where no micro-kernel serves it: the per-key loops above
 AMX = -2  # a bf16 step on AMX tiles (`amx_tile`)
+# From this many query rows a kv head (group x Lq), an AMX step's P V runs on AMX tiles, its
+# values packed in pairs per tile; below, on our FMA micro-kernels with the values widened
+# where they lie. One thread, Intel Xeon, a 192-key tile, E = 128 (`benches/microkernels.py`):
+# 4 rows' P V took 2.7 us on the micro-kernels against 4.3 us on AMX, the packing most of
+# it; the micro-kernels' time grows with the rows, AMX's does not.
+AMX_VALUES_MIN_ROWS = 8
 
 
 @njit(fastmath=FASTMATH)
@@ -269,11 +275,9 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
     Both products walk (16-key chunk, head) pairs in the order the page lies in memory
     (`memory_order`)."""
     kv_heads, rows, width = s.shape
-    value_dim = acc.shape[2]
     bf16 = k_pages.itemsize == 2  # bf16 bits (fp16 caches come converted to fp32)
     depth = q_rows.shape[2] // 2 if bf16 else q_rows.shape[2]
     k_at, k_head, k_row = page_offsets(k_pages, head_major, page, first_row)
-    v_at, v_head, v_row = page_offsets(v_pages, head_major, page, first_row)
     chunks = (cols + LANES - 1) // LANES
     for item in range(chunks * kv_heads):
         c, hk = memory_order(item, chunks, kv_heads, head_major)
@@ -286,11 +290,25 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
                      shift)  # fmt: skip
         if bf16:
             round_to_bf16(s[hk], rows, cols)
+    values = (v_pages, *page_offsets(v_pages, head_major, page, first_row))
+    chunked_values(s, values, head_major, cols, acc)
+
+
+@njit(fastmath=FASTMATH)
+def chunked_values(p, values, head_major, cols, acc):
+    """acc[hk, :rows] += P V for every kv head hk, P (Hk, rows, W) in fp32 (a bf16 call's
+    rounded to bf16), the values where they lie (values: (pages, offset of head 0's first
+    key, between heads, between keys); bf16 ones widened in registers), in (16-key chunk,
+    head) pairs in memory order (`memory_order`)."""
+    kv_heads, rows, width = p.shape
+    pages, v_at, v_head, v_row = values
+    acc_rows, value_dim = acc.shape[1], acc.shape[2]
+    chunks = (cols + LANES - 1) // LANES
     for item in range(chunks * kv_heads):
         c, hk = memory_order(item, chunks, kv_heads, head_major)
-        p_view = (s, hk * rows * width + c, width, 1)
-        v_view = (v_pages, v_at + hk * v_head + c * v_row, v_row, LANES)
-        acc_view = (acc, hk * rows * value_dim, value_dim)
+        p_view = (p, hk * rows * width + c, width, 1)
+        v_view = (pages, v_at + hk * v_head + c * v_row, v_row, LANES)
+        acc_view = (acc, hk * acc_rows * value_dim, value_dim)
         tile_product(min(LANES, cols - c), ONE, ONE, p_view, v_view, acc_view, rows, value_dim)
 
 
@@ -380,15 +398,18 @@ def amx_tile(q_pairs, k_pages, v_pages, head_major, page, first_row, cols, varia
     """One key tile of every kv head on AMX tiles (a bf16 cache; E and Ev multiples of 32):
     S^T = K Q^T with the keys where they lie as A (`amx_key_scores`), transposed into s;
     the online softmax, P rounded to bf16 in its pass (scaled first where a variant changes
-    the scores); the values packed in pairs (`pack_value_pairs`); acc += P V. buffers: (S^T
-    (Hk W, rows16), k_tail (Hk 16, E), P (Hk rows16, whole steps of keys), value pairs (Hk
-    W / 2, Ev)); acc (Hk, rows16, Ev), all on 64-byte lines."""
+    the scores); the values packed in pairs (`pack_value_pairs`); acc += P V. Under
+    AMX_VALUES_MIN_ROWS rows P V runs on the micro-kernels instead (`chunked_values`).
+    buffers: (S^T (Hk W, rows16), k_tail (Hk 16, E), P (Hk rows16, whole steps of keys),
+    value pairs (Hk W / 2, Ev); `amx_buffers`); acc (Hk, rows16, Ev), all on 64-byte
+    lines."""
     st, k_tail, p16, v_pairs = buffers
     heads, rows, width = s.shape
     tile_rows, value_dim = acc.shape[1], acc.shape[2]
     keys = (k_pages, *page_offsets(k_pages, head_major, page, first_row))
     amx_key_scores(q_pairs, keys, head_major, cols, k_tail, st)
     per_head = st.shape[0] // heads
+    values_on_amx = rows >= AMX_VALUES_MIN_ROWS
     for hk in range(heads):
         for c in range(0, cols, TILE_ROWS):
             for r in range(0, rows, TILE_ROWS):
@@ -396,17 +417,25 @@ def amx_tile(q_pairs, k_pages, v_pages, head_major, page, first_row, cols, varia
                                 min(TILE_ROWS, cols - c), min(TILE_ROWS, rows - r),
                                 (s, (hk * rows + r) * width + c, width))  # fmt: skip
         factor = scale2
-        if scale2 <= 0 or modifies_scores(variant, structure):
+        if scale2 <= 0 or modifies_scores(variant, structure) or not values_on_amx:
             scale_scores(s[hk], rows, cols, scale2)
             if modifies_scores(variant, structure):
                 modify_tile(s, hk, q_len, cols, variant, b, j0, structure)
             factor = ONE
+        if not values_on_amx:
+            online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk], row_sum[hk],
+                                   shift[hk])  # fmt: skip
+            round_to_bf16(s[hk], rows, cols)
+            continue
         p_head = p16[hk * tile_rows : (hk + 1) * tile_rows]
         # P's columns past cols keep an earlier tile's probabilities: finite, against the
         # value pairs' zeros.
         online_softmax_to_bf16(s[hk], factor, p_head, rows, cols, acc[hk], row_max[hk],
                                row_sum[hk], shift[hk])  # fmt: skip
     values = (v_pages, *page_offsets(v_pages, head_major, page, first_row))
+    if not values_on_amx:
+        chunked_values(s, values, head_major, cols, acc)
+        return
     pack_value_pairs(values, head_major, cols, heads, v_pairs)
     pair_rows = v_pairs.shape[0] // heads
     for hk in range(heads):
@@ -433,16 +462,20 @@ def amx_query_pairs(q_rows, tile_rows):
 
 
 @njit()
-def amx_buffers(kind, kv_heads, tile_rows, block_n, head_dim, value_dim):
-    """amx_tile's buffers (see there), zeroed; empty ones for other kinds."""
+def amx_buffers(kind, kv_heads, rows, block_n, head_dim, value_dim):
+    """amx_tile's buffers (see there) for `rows` query rows a kv head, zeroed; empty ones for
+    other kinds, and P's and the value pairs' where P V runs off AMX."""
     if kind != AMX:
         kv_heads = 0
+    tile_rows = whole_tiles(rows)
+    value_heads = kv_heads if rows >= AMX_VALUES_MIN_ROWS else 0
     f32, u16 = np.empty(0, np.float32), np.empty(0, np.uint16)
     st = aligned_empty(kv_heads * whole_tiles(block_n), tile_rows, f32)
     k_tail = aligned_empty(kv_heads * TILE_ROWS, head_dim, u16)
     key_steps = depth_steps(block_n)
-    p16 = aligned_empty(kv_heads * tile_rows, key_steps * 2 * TILE_PAIRS, u16)
-    v_pairs = aligned_empty(kv_heads * key_steps * TILE_PAIRS, value_dim, np.empty(0, np.uint32))
+    p16 = aligned_empty(value_heads * tile_rows, key_steps * 2 * TILE_PAIRS, u16)
+    v_pairs = aligned_empty(value_heads * key_steps * TILE_PAIRS, value_dim,
+                            np.empty(0, np.uint32))  # fmt: skip
     k_tail[:] = 0
     p16[:] = 0
     return st, k_tail, p16, v_pairs
@@ -487,7 +520,7 @@ def kvcache_split(
     acc = aligned_empty(kv_heads * tile_rows, value_dim, s)
     acc[:] = 0
     acc = acc.reshape((kv_heads, tile_rows, value_dim))
-    buffers = amx_buffers(kind, kv_heads, tile_rows, width, k_pages.shape[3], value_dim)
+    buffers = amx_buffers(kind, kv_heads, rows, width, k_pages.shape[3], value_dim)
     row_max = np.full((kv_heads, rows), -np.inf, np.float32)
     row_sum = np.zeros((kv_heads, rows), np.float32)
     shift = np.zeros((kv_heads, rows), np.float32)
