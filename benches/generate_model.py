@@ -3,10 +3,11 @@ model on transformers' own "sdpa", in one process, taking turns round by round.
 
     python benches/generate_model.py                      # Llama-like, 4096-token prompt
     python benches/generate_model.py --model mistral --prompt 8192 --window 512
+    python benches/generate_model.py --dtype bfloat16     # the model and its cache in bf16
 
-Random weights from a config (no download), fp32, batch 1. Prefill: one forward over the
-prompt into a DynamicCache. Decode: `--new` greedy steps on that cache, one token each;
-tokens/s from the median round. The models' logits are compared first (same weights).
+Random weights from a config (no download), fp32 (or --dtype), batch 1. Prefill: one
+forward over the prompt into a DynamicCache. Decode: `--new` greedy steps on that cache, one
+token each; tokens/s from the median round. The models' logits are compared first (same weights).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from attnperf.integrations.transformers import register
 from attnperf.machine import cpu_description
 
 
-def build(kind: str, window: int | None, implementation: str):
+def build(kind: str, window: int | None, implementation: str, dtype: torch.dtype):
     common = dict(
         vocab_size=1000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16384,
@@ -32,9 +33,10 @@ def build(kind: str, window: int | None, implementation: str):
     else:
         config = transformers.LlamaConfig(**common)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(
+    model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=implementation
-    ).eval()
+    )
+    return model.to(dtype).eval()
 
 
 def prefill_and_decode(model, ids: torch.Tensor, new: int) -> tuple[float, float, torch.Tensor]:
@@ -74,9 +76,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512, help="mistral's sliding window")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backend", default="auto", help="attnperf's backend")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     register("attnperf", backend=args.backend)
-    models = {name: build(args.model, args.window, name) for name in ("sdpa", "attnperf")}
+    models = {name: build(args.model, args.window, name, dtype) for name in ("sdpa", "attnperf")}
     ids = torch.randint(0, 1000, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
     logits = {}
@@ -87,7 +91,7 @@ def main() -> None:
                 times[name].append((prefill, decode))
     error = (logits["attnperf"] - logits["sdpa"]).abs().max().item()
     cpu = cpu_description()
-    print(f"{args.model}, prompt {args.prompt}, {args.new} new tokens, fp32, "
+    print(f"{args.model}, prompt {args.prompt}, {args.new} new tokens, {args.dtype}, "
           f"{torch.get_num_threads()} threads, cpu {cpu['cpu_model']} ({cpu['vector_isa']}); "
           f"max |logits difference| {error:.1e}; medians of {args.rounds} rounds")  # fmt: skip
     print_medians(times, args.prompt, args.new, "sdpa")

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -165,6 +166,26 @@ def test_the_first_parallel_kernel_leaves_torch_its_thread_count():
                             text=True, timeout=600, check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "1"
+
+
+def test_scratch_is_kept_per_slot_and_thread_on_a_line(monkeypatch):
+    """A slot's memory serves the next call (no fresh pages to fault in); slots and threads
+    never share it; a pack over SCRATCH_MAX_BYTES is allocated afresh."""
+    first = launch.scratch("a", (3, 5), np.float32)
+    again = launch.scratch("a", (2, 7), np.uint16)
+    other = launch.scratch("b", (3, 5), np.float32)
+    assert first.ctypes.data % 64 == 0 and again.ctypes.data % 64 == 0
+    assert first.shape == (3, 5) and again.dtype == np.uint16
+    assert np.shares_memory(first, again) and not np.shares_memory(first, other)
+    from_thread = []
+    worker = threading.Thread(
+        target=lambda: from_thread.append(launch.scratch("a", (3, 5), np.float32))
+    )
+    worker.start()
+    worker.join()
+    assert not np.shares_memory(first, from_thread[0])
+    monkeypatch.setattr(launch, "SCRATCH_MAX_BYTES", 32)
+    assert not np.shares_memory(launch.scratch("a", (3, 5), np.float32), first)
 
 
 def test_fp32_views_are_read_in_place_and_other_layouts_copied():

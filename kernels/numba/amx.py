@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 
 import numpy as np
 
@@ -153,15 +152,6 @@ def tile_dot(typingctx, c, a, b):
         return context.get_dummy_value()
 
     return types.void(c, a, b), codegen
-
-
-def line_aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """np.empty(shape, dtype) starting on a 64-byte line (numpy's start 16 bytes past one
-    here), for arrays packed outside the kernels: `aligned_empty`'s reason."""
-    size = math.prod(shape) * np.dtype(dtype).itemsize
-    raw = np.empty(size + 64, np.uint8)
-    skip = -raw.ctypes.data % 64
-    return raw[skip : skip + size].view(dtype).reshape(shape)
 
 
 @njit()

@@ -16,7 +16,6 @@ from attnperf.kernels.numba.amx import (
     aligned_empty,
     amx_product,
     depth_steps,
-    line_aligned,
     whole_tiles,
     zero_to_step,
 )
@@ -30,6 +29,7 @@ from attnperf.kernels.numba.launch import (
     bf16_array,
     float32_array,
     run_parallel,
+    scratch,
 )
 from attnperf.kernels.numba.microkernels import (
     BF16,
@@ -1030,10 +1030,10 @@ def packing_buffers(k, v, variant, kind, amx) -> tuple[np.ndarray, np.ndarray]:
     longest_keys = longest_in_table(variant, 4)
     panels = (longest_keys + LANES - 1) // LANES
     dtype = np.float32 if kind == FP32 else np.uint16
-    key_panels = line_aligned((count, kv_heads, panels, depth, width), dtype)
+    key_panels = scratch("key panels", (count, kv_heads, panels, depth, width), dtype)
     pairs = (longest_keys + 1) // 2 + (TILE_PAIRS if amx else 0)
     pairs_shape = (count, kv_heads, pairs, 2 * v.shape[3])
-    value_pairs = line_aligned(pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
+    value_pairs = scratch("value pairs", pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
     return key_panels, value_pairs
 
 
@@ -1053,8 +1053,8 @@ def transposed_panels(k, v, variant) -> tuple[np.ndarray, np.ndarray]:
     count, kv_heads = variant[4].shape[0], k.shape[1]
     panels = (longest_in_table(variant, 4) + LANES - 1) // LANES
     packed = []
-    for x in (k, v):
-        x_panels = np.empty((count, kv_heads, panels, x.shape[3], LANES), np.float32)
+    for slot, x in (("key panels", k), ("value panels", v)):
+        x_panels = scratch(slot, (count, kv_heads, panels, x.shape[3], LANES), np.float32)
         run_parallel(pack_panels, any_layout(x), variant, x_panels)
         packed.append(x_panels)
     return packed[0], packed[1]
@@ -1069,11 +1069,11 @@ def bf16_backward_operands(q, k, v, do, variant) -> tuple[np.ndarray, ...]:
     # AMX's products read a step of 32 keys or query rows past a tile's last: zeros there.
     pairs, columns = (longest_keys + 1) // 2 + TILE_PAIRS, longest_queries + 1 + 2 * TILE_PAIRS
     operands = (
-        line_aligned((count, kv_heads, panels, k.shape[3] // 2, 2 * LANES), np.uint16),
-        line_aligned((count, kv_heads, panels, v.shape[3] // 2, 2 * LANES), np.uint16),
-        line_aligned((count, kv_heads, pairs, 2 * k.shape[3]), np.uint16),
-        line_aligned((count, q_heads, q.shape[3], columns), np.uint16),
-        line_aligned((count, q_heads, do.shape[3], columns), np.uint16),
+        scratch("key panels", (count, kv_heads, panels, k.shape[3] // 2, 2 * LANES), np.uint16),
+        scratch("value panels", (count, kv_heads, panels, v.shape[3] // 2, 2 * LANES), np.uint16),
+        scratch("key pairs", (count, kv_heads, pairs, 2 * k.shape[3]), np.uint16),
+        scratch("Q^T", (count, q_heads, q.shape[3], columns), np.uint16),
+        scratch("dO^T", (count, q_heads, do.shape[3], columns), np.uint16),
     )
     run_parallel(pack_bf16_backward, *map(any_layout, (q, k, v, do)), variant, operands)
     return operands
