@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from attnperf import dispatch, ops
+from attnperf import dispatch, ops, plans
 from attnperf.inputs import check_sinks, prepare
 from attnperf.layouts import BlockMask
 from attnperf.linear_inputs import prepare_linear
@@ -73,6 +73,16 @@ def attention(
             variants,
         )  # fmt: skip
     autocast = _autocast_dtype(query)
+    # A call whose metadata was seen before (outside autocast) skips its checks and the
+    # backend's choice: they are kept (attnperf.plans).
+    call = None
+    if autocast is None:
+        call = plans.dense_key(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa, backend, variants)  # fmt: skip
+    plan = None if call is None else plans.dense_plan(call)
+    if plan is not None:
+        inputs = plan.bind(query, key, value)
+        return inputs.restore(*plan.backend.run(inputs))
     outside_autocast = contextlib.nullcontext()
     if autocast is not None:
         # As SDPA under autocast: q, k, v in autocast's dtype; the kernels then run as asked.
@@ -83,7 +93,10 @@ def attention(
         inputs = prepare(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **variants
         )
-        return dispatch.attend(inputs, backend)
+        chosen = dispatch.select(inputs, backend)
+        if call is not None:
+            plans.keep_dense_plan(call, inputs, chosen)
+        return inputs.restore(*chosen.run(inputs))
 
 
 def attention_varlen(

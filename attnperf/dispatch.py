@@ -113,6 +113,13 @@ def select(
     raise BackendNotSupportedError("no backend can serve this call:\n" + "\n".join(refusals))
 
 
+def selection_state() -> tuple:
+    """What `select` reads besides the call and the thread count, each made once: the
+    registry and the CPU table in force (`attnperf tune` reloads it). A choice kept under
+    other ones is stale (attnperf.plans)."""
+    return registry(), cpu_table.load_table(cpu_table.table_path())
+
+
 def attend(inputs: AttentionInputs, backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
     """Run `inputs` on the selected backend; the output (and the LSE when the call asked for
     it) in the caller's layout."""

@@ -17,7 +17,7 @@ LAYERS = (
      ("attnperf.inputs", "attnperf.serving", "attnperf.linear_inputs", "attnperf.cpu_table")),
     ("backend contract", ("attnperf.backend",)),
     ("kernels", ("attnperf.kernels", "attnperf.kernels.*")),
-    ("dispatch", ("attnperf.dispatch",)),
+    ("dispatch", ("attnperf.dispatch", "attnperf.plans")),
     ("ops and api", ("attnperf.ops", "attnperf.api", "attnperf.testing")),
     ("nn, distributed, integrations",
      ("attnperf.nn", "attnperf.distributed", "attnperf.integrations", "attnperf.integrations.*",

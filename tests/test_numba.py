@@ -17,7 +17,7 @@ from attnperf.inputs import prepare
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
 pytest.importorskip("numba")
-from attnperf.kernels.numba import attention, blas, fastmath, launch
+from attnperf.kernels.numba import attention, blas, fastmath, launch, variant
 from attnperf.kernels.numba.jit import numba
 from attnperf.kernels.numba.microkernels import BF16
 
@@ -280,3 +280,20 @@ def test_exp2_is_within_its_stated_error_and_keeps_nan():
     fastmath.exp2_shifted(edges, 4, np.float32(0.0), np.float32(1.0))
     assert np.isnan(edges[0]) and edges[1] == 0 and edges[2] == 0
     assert edges[3] == np.float32(2.0**-126.5)  # flushed to 0 only below it
+
+
+def test_dense_calls_share_one_variant_tuple_per_shape_and_scalars():
+    """The variant tuple of a dense call is made once per (shape, band, softcap, threads):
+    the same object for an equal call, another for any difference; calls with tensors in
+    their variant (a mask) get their own each time."""
+    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+    first = variant.lower_variant(prepare(q, k, v, is_causal=True))
+    assert variant.lower_variant(prepare(q + 1, k, v, is_causal=True)) is first
+    assert first[2:4] == (variant.UNBOUNDED, 0) and first[4][:, 2].tolist() == [8, 8]
+    others = [prepare(q, k, v), prepare(q, k, v, is_causal=True, window=(2, 0)),
+              prepare(q, k, v, is_causal=True, softcap=5.0),
+              prepare(q[:1], k[:1], v[:1], is_causal=True)]  # fmt: skip
+    assert all(variant.lower_variant(inputs) is not first for inputs in others)
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    masked = prepare(q, k, v, attn_mask=mask)
+    assert variant.lower_variant(masked) is not variant.lower_variant(masked)

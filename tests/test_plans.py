@@ -1,0 +1,138 @@
+"""Call plans: a repeated call skips its checks and choice, and only where they would pass."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import attnperf
+from attnperf import api, dispatch, plans
+
+
+@pytest.fixture(autouse=True)
+def no_plans():
+    plans.clear()
+    yield
+    plans.clear()
+
+
+@pytest.fixture
+def prepares(monkeypatch):
+    """How many calls went through the full checks."""
+    count = [0]
+    checked = api.prepare
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(api, "prepare", counting)
+    return count
+
+
+def qkv(*shape, **options):
+    return tuple(torch.randn(*shape, **options) for _ in range(3))
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "numba"])
+@pytest.mark.parametrize("shape", [(2, 3, 16, 8), (3, 16, 8), (16, 8)])
+def test_a_repeated_call_runs_on_its_plan_with_the_same_result(prepares, backend, shape):
+    q, k, v = qkv(*shape)
+    first = attnperf.attention(q, k, v, is_causal=True, backend=backend)
+    q2, k2, v2 = qkv(*shape)
+    second = attnperf.attention(q2, k2, v2, is_causal=True, backend=backend)
+    assert prepares[0] == 1
+    expected = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, is_causal=True)
+    assert second.shape == first.shape == expected.shape
+    torch.testing.assert_close(second, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_other_metadata_is_checked_again(prepares):
+    q, k, v = qkv(1, 2, 8, 4)
+    attnperf.attention(q, k, v)
+    attnperf.attention(q, k, v, is_causal=True)
+    attnperf.attention(q[:, :1], k[:, :1], v[:, :1])
+    attnperf.attention(q.double(), k.double(), v.double())
+    attnperf.attention(q, k, v, scale=0.5)
+    attnperf.attention(q, k, v, window=(2, 0))
+    attnperf.attention(q, k, v, return_lse=True)
+    assert prepares[0] == 7
+
+
+def test_a_call_that_would_fail_its_checks_still_fails():
+    q, k, v = qkv(1, 2, 8, 4)
+    attnperf.attention(q, k, v, is_causal=True)
+    with pytest.raises(TypeError, match="is_causal"):
+        attnperf.attention(q, k, v, is_causal=1)
+    with pytest.raises(TypeError, match="window"):
+        attnperf.attention(q, k, v, window=(2.0, 0))
+    with pytest.raises(ValueError, match="window"):
+        attnperf.attention(q, k, v, window=(-1, 0))
+    with pytest.raises(ValueError, match="heads"):
+        attnperf.attention(q, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="unknown backend"):
+        attnperf.attention(q, k, v, backend="nope")
+
+
+def test_tensor_variants_are_never_planned(prepares):
+    q, k, v = qkv(1, 2, 8, 4)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    sinks = torch.zeros(2)
+    for _ in range(2):
+        attnperf.attention(q, k, v, attn_mask=mask)
+        attnperf.attention(q, k, v, sinks=sinks)
+    assert prepares[0] == 4
+
+
+def test_gradients_follow_the_call_not_the_plan(prepares):
+    q, k, v = qkv(1, 2, 8, 4)
+    with torch.no_grad():
+        attnperf.attention(q, k, v, backend="numba")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    attnperf.attention(*leaves, backend="numba").sum().backward()
+    again = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnperf.attention(*again, backend="numba")
+    assert out.requires_grad and prepares[0] == 2
+    out.sum().backward()
+    for first, second in zip(leaves, again, strict=True):
+        torch.testing.assert_close(first.grad, second.grad)
+
+
+def test_a_plan_holds_no_tensor():
+    q, k, v = qkv(1, 2, 8, 4)
+    out = attnperf.attention(q, k, v)
+    refs = [weakref.ref(t) for t in (q, k, v, out)]
+    del q, k, v, out
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+def test_a_new_cpu_table_or_registry_makes_the_choice_again(prepares, monkeypatch):
+    q, k, v = qkv(1, 2, 8, 4)
+    attnperf.attention(q, k, v)
+    attnperf.attention(q, k, v)
+    assert prepares[0] == 1
+    state = dispatch.selection_state()
+    monkeypatch.setattr(dispatch, "selection_state", lambda: (state[0], object()))
+    attnperf.attention(q, k, v)
+    assert prepares[0] == 2
+
+
+def test_plans_are_bounded(monkeypatch):
+    monkeypatch.setattr(plans, "MAX_PLANS", 2)
+    for length in (4, 5, 6):
+        attnperf.attention(*qkv(1, 1, length, 4))
+    assert len(plans._PLANS) == 1
+
+
+def test_thread_count_is_part_of_the_metadata(prepares):
+    q, k, v = qkv(1, 2, 8, 4)
+    threads = torch.get_num_threads()
+    attnperf.attention(q, k, v, backend="numba")
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        attnperf.attention(q, k, v, backend="numba")
+    finally:
+        torch.set_num_threads(threads)
+    assert prepares[0] == 2
