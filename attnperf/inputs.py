@@ -53,8 +53,9 @@ class Sequences:
     @staticmethod
     def build(q_starts, q_lens, k_starts, k_lens, align: str, packed: bool) -> Sequences:
         """The table from per-sequence starts and lengths (int64 CPU tensors or numpy
-        arrays), made in numpy (see `dense`)."""
-        count = len(q_lens)
+        arrays; ints for a column alike in every sequence; k_lens an array), made in numpy
+        (see `dense`)."""
+        count = len(k_lens)
         table = np.zeros((count, 6), np.int64)
         table[:, 0] = 0 if packed else np.arange(count)
         for column, values in enumerate((q_starts, q_lens, k_starts, k_lens), 1):

@@ -34,6 +34,7 @@ from attnperf.kernels.numba.launch import (
     as_bf16_bits,
     as_fp32,
     as_numpy,
+    bf16_array,
     float32_array,
     run_parallel,
 )
@@ -571,13 +572,14 @@ def kvcache_split(
 
 @njit(fastmath=FASTMATH)
 def merge_splits(partial_out, partial_stats, variant, out, stats):
-    """out (B, Hq, L, Ev) and stats (B, Hq, L, 2) of the splits' partial softmaxes
-    combined exactly: merge_attention's rule in base 2, on unnormalised accumulators; the
-    sinks, if any, applied once here.
+    """out (B, Hq, L, Ev) (fp32, or bf16 bits: rounded) and stats (B, Hq, L, 2) of the
+    splits' partial softmaxes combined exactly: merge_attention's rule in base 2, on
+    unnormalised accumulators; the sinks, if any, applied once here.
 
     On the calling thread: a few microseconds of work, less than waking numba's threads.
     """
     splits, batch, heads, q_len, value_dim = partial_out.shape
+    row = np.empty(value_dim, np.float32)
     for item in range(batch * heads):
         b, h, _ = split_index(item, heads, 1)
         for t in range(q_len):
@@ -586,7 +588,6 @@ def merge_splits(partial_out, partial_stats, variant, out, stats):
                 if partial_stats[split, b, h, t, 1] > 0:
                     largest = max(largest, partial_stats[split, b, h, t, 0])
             total = np.float32(0.0)
-            row = out[b, h, t]
             row[:] = 0.0
             for split in range(splits):
                 part_sum = partial_stats[split, b, h, t, 1]
@@ -598,8 +599,12 @@ def merge_splits(partial_out, partial_stats, variant, out, stats):
             largest, total, inverse = with_sink(variant, h, largest if total > 0 else 0.0,
                                                 total)  # fmt: skip
             inverse = np.float32(inverse)
+            out_row = out[b, h, t]
             for e in range(value_dim):
-                row[e] *= inverse
+                if out.itemsize == 2:  # bf16 bits
+                    out_row[e] = to_bf16(row[e] * inverse)
+                else:
+                    out_row[e] = row[e] * inverse
             stats[b, h, t, 0] = largest
             stats[b, h, t, 1] = total
 
@@ -607,11 +612,13 @@ def merge_splits(partial_out, partial_stats, variant, out, stats):
 @njit(parallel=True, fastmath=FASTMATH)
 def kvcache_forward_splits(
     q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
-    block_n, kind, partial_out, partial_stats, out, stats,
+    block_n, kind, splits, out, stats,
 ):  # fmt: skip
     """Every (sequence, split) of kvcache_split, in parallel, then merge_splits into out
-    and stats (in the same call: a call into numba costs a step ~10 us)."""
-    splits = partial_out.shape[0]
+    and stats (in the same call: a call into numba costs a step ~10 us). The splits'
+    partial results are made here, never leaving the call."""
+    partial_out = np.empty((splits, *out.shape), np.float32)
+    partial_stats = np.empty((splits, *stats.shape), np.float32)
     for item in prange(q_rows.shape[0] * splits):
         b, _, split = split_index(item, 1, splits)
         kvcache_split(
@@ -624,11 +631,12 @@ def kvcache_forward_splits(
 @njit(fastmath=FASTMATH)
 def kvcache_forward_serial(
     q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
-    block_n, kind, partial_out, partial_stats, out, stats,
+    block_n, kind, splits, out, stats,
 ):  # fmt: skip
     """kvcache_forward_splits on the calling thread: for steps too small to pay for waking
     numba's threads (see PARALLEL_MIN_BYTES)."""
-    splits = partial_out.shape[0]
+    partial_out = np.empty((splits, *out.shape), np.float32)
+    partial_stats = np.empty((splits, *stats.shape), np.float32)
     for item in range(q_rows.shape[0] * splits):
         b, _, split = split_index(item, 1, splits)
         kvcache_split(
@@ -729,7 +737,8 @@ def query_rows(inputs: KVCacheInputs, kind: int) -> np.ndarray:
     q = inputs.query
     shape = (q.shape[0], inputs.kv_heads, q.shape[1] // inputs.kv_heads * q.shape[2])
     if kind in (AMX, BF16):
-        q = torch.nn.functional.pad(q, (0, q.shape[3] % 2))
+        if q.shape[3] % 2:
+            q = torch.nn.functional.pad(q, (0, 1))
         return as_bf16_bits(q.contiguous().reshape(*shape, q.shape[3]))
     return as_numpy(q.to(torch.float32).contiguous().reshape(*shape, q.shape[3]))
 
@@ -748,20 +757,19 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     parallel = threads > 1 and inputs.kv_bytes >= PARALLEL_MIN_BYTES
     splits = kvcache_splits(inputs, threads if parallel else 1)
     rows_shape = inputs.query.shape[:3]
-    shape = (*rows_shape, v_pages.shape[3])
-    # The splits' partial results never leave the kernels: numpy's memory, no torch tensor.
-    partial_out = np.empty((splits, *shape), np.float32)
-    partial_stats = np.empty((splits, *rows_shape, 2), np.float32)
-    out, out_array = float32_array(shape, zero=True)
-    stats, stats_array = float32_array((*rows_shape, 2), zero=True)
-    if q_rows.size:
+    # bf16 steps write their output rounded (merge_splits), with no fp32 copy to convert;
+    # the merge writes every row, so memory is zeroed only for a call with no rows.
+    output = bf16_array if inputs.dtype == torch.bfloat16 else float32_array
+    no_rows = q_rows.size == 0
+    out, out_array = output((*rows_shape, v_pages.shape[3]), zero=no_rows)
+    stats, stats_array = float32_array((*rows_shape, 2), zero=no_rows)
+    if not no_rows:
         variant = lower_variant(inputs)
         table = as_numpy(inputs.block_table.cpu())
         args = (q_rows, k_pages, v_pages, k_scales, v_scales, head_major, table, variant,
-                inputs.scale, DECODE_BLOCK_N, kind, partial_out, partial_stats, out_array,
-                stats_array)  # fmt: skip
+                inputs.scale, DECODE_BLOCK_N, kind, splits, out_array, stats_array)  # fmt: skip
         if parallel:
             run_parallel(kvcache_forward_splits, *args)
         else:
             kvcache_forward_serial(*args)
-    return out.to(inputs.dtype), stats
+    return (out if out.dtype == inputs.dtype else out.to(inputs.dtype)), stats
