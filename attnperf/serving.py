@@ -312,7 +312,7 @@ class KVCacheInputs:
     def kv_bytes(self) -> int:
         """Bytes of K and V the call's sequences read: int8 codes and their float32 scales,
         else fp32 (what the kernels compute a float cache in)."""
-        keys = int(self.sequences.table.numpy()[:, 4].sum())
+        keys = sum(self.sequences.table.numpy()[:, 4].tolist())  # a list: see Sequences
         if self.quantized:
             per_key = self.head_dim + self.value_dim + 4 * (self.k_scale.shape[3]
                                                             + self.v_scale.shape[3])  # fmt: skip
@@ -327,7 +327,7 @@ class KVCacheInputs:
 
     def features(self) -> set[str]:
         variant = self.variant
-        shifted = bool(variant.sequences.table.numpy()[:, 5].any())
+        shifted = any(variant.sequences.table.numpy()[:, 5].tolist())
         wanted = {
             "kvcache": True,
             "causal": self.is_causal,

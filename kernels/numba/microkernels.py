@@ -86,6 +86,18 @@ def tile_route(kind: str) -> tuple[str, str]:
     ones without AVX2 run on LLVM's split vectors: for tests, not speed);
     ATTNPERF_NUMBA_AMX=0 keeps bf16 off AMX.
     """
+    # Worked out once per setting of the variables it reads: calls ask it two or three
+    # times each, and the whole walk cost a short call ~2 us a time.
+    setting = tuple(os.environ.get(name) for name in ROUTE_VARIABLES)
+    return _tile_route(kind, setting)
+
+
+ROUTE_VARIABLES = ("ATTNPERF_NUMBA_TILES", "ATTNPERF_NUMBA_AMX", "NUMBA_CPU_NAME",
+                   "NUMBA_CPU_FEATURES")  # fmt: skip
+
+
+@functools.cache
+def _tile_route(kind: str, setting: tuple) -> tuple[str, str]:
     choice = os.environ.get("ATTNPERF_NUMBA_TILES", "auto")
     if choice not in TILE_CHOICES:
         raise ValueError(f"ATTNPERF_NUMBA_TILES must be one of {TILE_CHOICES}, got {choice!r}")
