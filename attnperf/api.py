@@ -11,7 +11,7 @@ from attnperf import dispatch, ops, plans
 from attnperf.inputs import check_sinks, prepare
 from attnperf.layouts import BlockMask
 from attnperf.linear_inputs import prepare_linear
-from attnperf.serving import append_to_cache, prepare_kvcache, prepare_varlen
+from attnperf.serving import append_to_cache, bind_kvcache, check_kvcache_call, prepare_varlen
 
 
 def attention(
@@ -177,11 +177,25 @@ def attention_with_kvcache(
     (`quantize_kv`). k_new, v_new (in q's dtype) are then quantized by quantize_kv's rule
     as they are written, codes and scales. The output is in q's dtype.
     """
-    inputs = prepare_kvcache(
-        q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table,
-        cache_leftpad=cache_leftpad, is_causal=is_causal, scale=scale, window=window,
-        softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-        return_lse=return_lse, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+    # The checks of the call's metadata are kept for a call that recurs (attnperf.plans);
+    # its lengths and the backend's choice are worked out every call.
+    key = plans.kvcache_key(
+        q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_leftpad, is_causal,
+        scale, window, softcap, alibi_slopes, num_splits, return_lse, sinks, k_scale, v_scale,
+    )  # fmt: skip
+    call = None if key is None else plans.kept_kvcache_call(key)
+    if call is None:
+        call = check_kvcache_call(
+            q, k_cache, v_cache, k_new, v_new, block_table=block_table, is_causal=is_causal,
+            scale=scale, window=window, softcap=softcap, num_splits=num_splits,
+            return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        if key is not None:
+            plans.keep_kvcache_call(key, call)
+    inputs = bind_kvcache(
+        call, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table,
+        cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale,
+        v_scale=v_scale,
     )  # fmt: skip
     chosen = dispatch.select(inputs, backend)
     append_to_cache(inputs)

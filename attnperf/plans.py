@@ -1,4 +1,5 @@
-"""Call plans: a call shape's validation and backend choice, kept for its next call.
+"""Call plans: what a call shape's checks (and backend choice) found, kept for its next
+call.
 
 Checking an `attention` call and walking "auto" read only the call's metadata (shapes,
 dtypes, devices, the scalar arguments, whether a gradient is wanted), never a tensor's
@@ -7,6 +8,9 @@ A model makes the same call layer after layer, step after step, and for short ca
 steps cost as much as the kernel: 45 us of a 167 us call at B = 1, H = 8, L = 64 (Intel
 Xeon, 2 threads; SDPA's whole call 55 us). A plan keeps what they found under the call's
 metadata; the next call with that metadata binds its own tensors to it and runs.
+
+An attention_with_kvcache call keeps the checks of its metadata alone: its lengths are
+values, checked per call, and so is the backend's choice, which may read them.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from torch import Tensor
 from attnperf import dispatch
 from attnperf.backend import Backend
 from attnperf.inputs import AttentionInputs, Variant
+from attnperf.serving import KVCacheCall
 
 # Plans kept at most; past it they are dropped all at once (a model uses a handful).
 MAX_PLANS = 256
-_PLANS: dict[tuple, DensePlan] = {}
+_PLANS: dict[tuple, DensePlan | KVCacheCall] = {}
 
 # The scalar arguments' types that a plan's key may hold: each value of these types checks
 # alike (is_causal=1 is refused where True is not, so a key never mixes them).
@@ -56,11 +61,20 @@ class DensePlan:
         )  # fmt: skip
 
 
-def _tensor_key(tensor: object) -> tuple | None:
-    if type(tensor) is not Tensor:  # subclasses (fake, functional, DTensor) plan nothing
+def _tensor_key(tensor: object, shape: tuple | None = None) -> tuple | None:
+    """A tensor's metadata (`shape` standing for its own where given), or None for what is
+    not a plain tensor: subclasses (fake, functional, DTensor) plan nothing."""
+    if type(tensor) is not Tensor:
         return None
-    return (tensor.shape, tensor.dtype, tensor.device, tensor.layout, tensor.is_nested,
-            tensor.requires_grad)  # fmt: skip
+    return (tensor.shape if shape is None else shape, tensor.dtype, tensor.device,
+            tensor.layout, tensor.is_nested, tensor.requires_grad)  # fmt: skip
+
+
+_ABSENT = ("absent",)
+
+
+def _optional_key(tensor: object) -> tuple | None:
+    return _ABSENT if tensor is None else _tensor_key(tensor)
 
 
 def _plain_window(window: object) -> bool:
@@ -116,9 +130,7 @@ def keep_dense_plan(key: tuple, inputs: AttentionInputs, chosen: Backend) -> Non
     """Keep what a checked call found, for the next call with its metadata (`key`)."""
     shapes = (inputs.query.shape, inputs.key.shape, inputs.value.shape)
     given = tuple(tensor_key[0] for tensor_key in key[:3])
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = DensePlan(
+    plan = DensePlan(
         shapes=None if given == shapes else shapes,
         dropout_p=inputs.dropout_p,
         is_causal=inputs.is_causal,
@@ -129,6 +141,62 @@ def keep_dense_plan(key: tuple, inputs: AttentionInputs, chosen: Backend) -> Non
         backend=chosen,
         selection_state=dispatch.selection_state(),
     )
+    _keep(key, plan)
+
+
+def kvcache_key(
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_leftpad, is_causal,
+    scale, window, softcap, alibi_slopes, num_splits, return_lse, sinks, k_scale, v_scale,
+) -> tuple | None:  # fmt: skip
+    """The metadata an attention_with_kvcache call's checks of metadata read
+    (`serving.check_kvcache_call`), or None where a plan cannot stand for them (ALiBi
+    slopes, an int8 cache's scales, an argument of another type). A contiguous cache's
+    length is left out: a cache that grows by a row each step keeps its plan (its lengths
+    are checked against it per call)."""
+    if alibi_slopes is not None or k_scale is not None or v_scale is not None:
+        return None
+    plain = (
+        type(is_causal) is bool
+        and type(return_lse) is bool
+        and type(num_splits) is int
+        and (scale is None or type(scale) in _NUMBER)
+        and (softcap is None or type(softcap) in _NUMBER)
+        and _plain_window(window)
+    )
+    if not plain:
+        return None
+    k_rows = v_rows = None  # a contiguous cache's metadata without its length (dim 1)
+    if block_table is None:
+        if type(k_cache) is not Tensor or type(v_cache) is not Tensor:
+            return None
+        if k_cache.dim() != 4 or v_cache.dim() != 4:
+            return None
+        k_rows, v_rows = ((t.shape[0], t.shape[2], t.shape[3]) for t in (k_cache, v_cache))
+    lengths = "int" if type(cache_seqlens) is int else _tensor_key(cache_seqlens)
+    tensors = (
+        _tensor_key(q), _tensor_key(k_cache, k_rows), _tensor_key(v_cache, v_rows),
+        _optional_key(k_new), _optional_key(v_new), _optional_key(block_table), lengths,
+        _optional_key(cache_leftpad), _optional_key(sinks),
+    )  # fmt: skip
+    if None in tensors:
+        return None
+    return ("kvcache", *tensors, is_causal, scale, window, softcap, num_splits, return_lse)
+
+
+def kept_kvcache_call(key: tuple) -> KVCacheCall | None:
+    """The checked metadata kept for `key`, if any."""
+    return _PLANS.get(key)
+
+
+def keep_kvcache_call(key: tuple, call: KVCacheCall) -> None:
+    """Keep a checked call's metadata for the next call with its `key`."""
+    _keep(key, call)
+
+
+def _keep(key: tuple, plan: object) -> None:
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
 
 
 def clear() -> None:

@@ -349,6 +349,30 @@ class KVCacheInputs:
         return (out, lse) if self.variant.return_lse else out
 
 
+@dataclass(frozen=True)
+class KVCacheCall:
+    """What an attention_with_kvcache call's checks of its metadata found (shapes, dtypes,
+    devices, the scalar arguments), before any tensor's values: a contiguous cache's own
+    block table (None for a paged cache: the caller's, per call), the new keys' length and
+    the checked scalars. `bind_kvcache` adds a call's values; attnperf.plans keeps these
+    for calls whose metadata recurs (a growing cache's length aside)."""
+
+    batch: int
+    q_len: int
+    q_heads: int
+    head_dim: int
+    pages: int
+    page_size: int
+    table: Tensor | None
+    new_len: int
+    is_causal: bool
+    scale: float
+    num_splits: int
+    window: tuple[int | None, int | None] | None
+    softcap: float | None
+    return_lse: bool
+
+
 def prepare_kvcache(
     q: object, k_cache: object, v_cache: object, cache_seqlens: object, k_new: object = None,
     v_new: object = None, *, block_table: object = None, cache_leftpad: object = None,
@@ -359,6 +383,25 @@ def prepare_kvcache(
 ) -> KVCacheInputs:  # fmt: skip
     """Check an attention_with_kvcache call, writing nothing. Raises TypeError or ValueError
     naming the argument."""
+    call = check_kvcache_call(
+        q, k_cache, v_cache, k_new, v_new, block_table=block_table, is_causal=is_causal,
+        scale=scale, window=window, softcap=softcap, num_splits=num_splits,
+        return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    return bind_kvcache(
+        call, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table,
+        cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale,
+        v_scale=v_scale,
+    )  # fmt: skip
+
+
+def check_kvcache_call(
+    q: object, k_cache: object, v_cache: object, k_new: object = None, v_new: object = None,
+    *, block_table: object = None, is_causal: object = True, scale: object = None,
+    window: object = None, softcap: object = None, num_splits: object = 0,
+    return_lse: object = False, k_scale: object = None, v_scale: object = None,
+) -> KVCacheCall:  # fmt: skip
+    """The checks of `prepare_kvcache` that read no tensor's values."""
     quantized = _is_int8(k_cache) or _is_int8(v_cache)
     if quantized:  # int8 codes: the caches are checked against each other, q alone
         _check_tensors((("q", q),), 4, "(B, L, heads, head dim)")
@@ -369,17 +412,50 @@ def prepare_kvcache(
     else:
         _check_tensors((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4,
                        "(B, L, heads, head dim)")  # fmt: skip
-    k_scale = _check_scale("k_scale", k_scale, k_cache, "k_cache")
-    v_scale = _check_scale("v_scale", v_scale, v_cache, "v_cache")
+    _check_scale("k_scale", k_scale, k_cache, "k_cache")
+    _check_scale("v_scale", v_scale, v_cache, "v_cache")
     batch, q_len, q_heads, head_dim = q.shape
     pages, page_size, kv_heads, _ = k_cache.shape
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache's head dim {k_cache.shape[3]} must match q's {head_dim}")
-    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
-        raise ValueError(f"v_cache's first 3 dims {tuple(v_cache.shape[:3])} must match "
-                         f"k_cache's {tuple(k_cache.shape[:3])}")  # fmt: skip
+    _check_same_rows(k_cache, v_cache)
     _check_heads(q_heads, kv_heads, "k_cache/v_cache")
     table = _block_table(block_table, batch, pages, page_size, q.device)
+    new_len = _new_keys(k_new, v_new, k_cache, v_cache, batch, q)
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int >= 0, got {type(num_splits).__name__}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: chosen per call), got {num_splits}")
+    return KVCacheCall(
+        batch=batch,
+        q_len=q_len,
+        q_heads=q_heads,
+        head_dim=head_dim,
+        pages=pages,
+        page_size=page_size,
+        table=table if block_table is None else None,
+        new_len=new_len,
+        is_causal=check_flag("is_causal", is_causal),
+        scale=check_scale(scale, head_dim),
+        num_splits=int(num_splits),
+        window=check_window(window),
+        softcap=check_softcap(softcap),
+        return_lse=check_flag("return_lse", return_lse),
+    )
+
+
+def bind_kvcache(
+    call: KVCacheCall, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: object,
+    k_new: Tensor | None = None, v_new: Tensor | None = None, *,
+    block_table: Tensor | None = None, cache_leftpad: object = None,
+    alibi_slopes: object = None, sinks: object = None, k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> KVCacheInputs:  # fmt: skip
+    """The inputs of a call whose metadata `call` checked: its lengths checked against the
+    cache's rows (a growing cache's own, or its pages), its variant's tensors."""
+    _check_same_rows(k_cache, v_cache)  # a plan kept for another length has not seen these
+    batch, page_size = call.batch, k_cache.shape[1]
+    table = call.table if call.table is not None else block_table.long()
     capacity = table.shape[1] * page_size
     # The lengths in numpy: see Sequences.
     seqlens = _cache_seqlens("cache_seqlens", cache_seqlens, batch)
@@ -389,7 +465,7 @@ def prepare_kvcache(
         if bool((leftpad > seqlens).any()):
             raise ValueError(f"cache_leftpad {leftpad.tolist()} must not exceed cache_seqlens "
                              f"{seqlens.tolist()}")  # fmt: skip
-    new_len = _new_keys(k_new, v_new, k_cache, v_cache, batch, q)
+    new_len = call.new_len
     lengths = seqlens + new_len
     if len(lengths) and int(lengths.max()) > capacity:
         b = int(lengths.argmax())
@@ -398,21 +474,17 @@ def prepare_kvcache(
         raise ValueError(f"cache_seqlens[{b}] + k_new's length = {int(seqlens[b])} + {new_len} "
                          f"keys exceed the cache's capacity ({where})")  # fmt: skip
     if block_table is not None:
-        _check_pages(table, lengths, page_size, pages)
-    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
-        raise TypeError(f"num_splits must be an int >= 0, got {type(num_splits).__name__}")
-    if num_splits < 0:
-        raise ValueError(f"num_splits must be >= 0 (0: chosen per call), got {num_splits}")
+        _check_pages(table, lengths, page_size, call.pages)
     variant = Variant(
-        window=check_window(window),
+        window=call.window,
         align="bottom_right",
-        softcap=check_softcap(softcap),
-        alibi_slopes=check_alibi_slopes(alibi_slopes, q, (batch,), q_heads, batch),
-        return_lse=check_flag("return_lse", return_lse),
+        softcap=call.softcap,
+        alibi_slopes=check_alibi_slopes(alibi_slopes, q, (batch,), call.q_heads, batch),
+        return_lse=call.return_lse,
         sequences=Sequences.build(
-            0, q_len, leftpad, lengths - leftpad, "bottom_right", packed=False
+            0, call.q_len, leftpad, lengths - leftpad, "bottom_right", packed=False
         ),
-        sinks=check_sinks(sinks, q.device, q_heads),
+        sinks=check_sinks(sinks, q.device, call.q_heads),
     )
     return KVCacheInputs(
         query=q.transpose(1, 2),
@@ -424,11 +496,17 @@ def prepare_kvcache(
         cache_seqlens=torch.from_numpy(seqlens),
         k_new=k_new,
         v_new=v_new,
-        is_causal=check_flag("is_causal", is_causal),
-        scale=check_scale(scale, head_dim),
-        num_splits=int(num_splits),
+        is_causal=call.is_causal,
+        scale=call.scale,
+        num_splits=call.num_splits,
         variant=variant,
     )
+
+
+def _check_same_rows(k_cache: Tensor, v_cache: Tensor) -> None:
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise ValueError(f"v_cache's first 3 dims {tuple(v_cache.shape[:3])} must match "
+                         f"k_cache's {tuple(k_cache.shape[:3])}")  # fmt: skip
 
 
 def _block_table(table: object, batch: int, pages: int, page_size: int, device) -> Tensor:

@@ -297,3 +297,14 @@ def test_dense_calls_share_one_variant_tuple_per_shape_and_scalars():
     mask = torch.ones(8, 8, dtype=torch.bool)
     masked = prepare(q, k, v, attn_mask=mask)
     assert variant.lower_variant(masked) is not variant.lower_variant(masked)
+
+
+def test_balanced_order_shares_the_work_evenly_heaviest_first():
+    """Sequences of 1, 10, 2 and 9 pairs over 2 threads: 10 + 1 and 9 + 2; equal sequences
+    keep their order."""
+    table = torch.zeros(4, 6, dtype=torch.int64)
+    table[:, 2], table[:, 4] = 1, torch.tensor([1, 10, 2, 9])
+    assert variant.balanced_order(table, 2).tolist() == [1, 0, 3, 2]
+    table[:, 4] = 5
+    assert variant.balanced_order(table, 2) is None
+    assert variant.balanced_order(table[:1], 2) is None

@@ -136,3 +136,63 @@ def test_thread_count_is_part_of_the_metadata(prepares):
     finally:
         torch.set_num_threads(threads)
     assert prepares[0] == 2
+
+
+@pytest.fixture
+def kvcache_checks(monkeypatch):
+    """How many attention_with_kvcache calls had their metadata checked."""
+    count = [0]
+    checked = api.check_kvcache_call
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(api, "check_kvcache_call", counting)
+    return count
+
+
+def test_a_growing_cache_keeps_its_plan_and_each_step_its_own_result(kvcache_checks):
+    """transformers' cache grows a row a step: the checks of its metadata run once, the
+    steps' results are each the attention over their own keys."""
+    q = torch.randn(1, 1, 4, 8)
+    keys, values = torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    for length in (16, 17, 18):
+        k_cache, v_cache = (t[:, :, :length].transpose(1, 2) for t in (keys, values))
+        out = attnperf.attention_with_kvcache(q, k_cache, v_cache, length, backend="numba")
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys[:, :, :length], values[:, :, :length], enable_gqa=True
+        ).transpose(1, 2)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert kvcache_checks[0] == 1
+
+
+def test_a_planned_kvcache_call_still_checks_its_values(kvcache_checks):
+    q = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    attnperf.attention_with_kvcache(q, k_cache, v_cache, 8)
+    with pytest.raises(ValueError, match="capacity"):
+        attnperf.attention_with_kvcache(q, k_cache, v_cache, 17)
+    with pytest.raises(ValueError, match="cache_seqlens must be >= 0"):
+        attnperf.attention_with_kvcache(q, k_cache, v_cache, -1)
+    with pytest.raises(ValueError, match="v_cache's first 3 dims"):
+        attnperf.attention_with_kvcache(q, torch.randn(2, 12, 2, 8), v_cache, 8)
+    with pytest.raises(ValueError, match="must not exceed"):
+        lengths, leftpad = torch.tensor([8, 8], dtype=torch.int32), torch.tensor([0, 9])
+        attnperf.attention_with_kvcache(q, k_cache, v_cache, lengths, cache_leftpad=leftpad)
+    pages, table = torch.randn(4, 16, 2, 8), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    attnperf.attention_with_kvcache(q, pages, pages, 20, block_table=table)
+    with pytest.raises(ValueError, match="is not a page"):
+        attnperf.attention_with_kvcache(q, pages, pages, 20, block_table=table + 2)
+    assert kvcache_checks[0] == 3  # an int length, tensor lengths with leftpad, a paged cache
+
+
+def test_kvcache_calls_with_alibi_or_int8_scales_are_checked_every_time(kvcache_checks):
+    q = torch.randn(1, 1, 2, 8)
+    k_cache, v_cache = torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8)
+    slopes = torch.ones(2)
+    (k_codes, k_scale), (v_codes, v_scale) = (attnperf.quantize_kv(t) for t in (k_cache, v_cache))
+    for _ in range(2):
+        attnperf.attention_with_kvcache(q, k_cache, v_cache, 8, alibi_slopes=slopes)
+        attnperf.attention_with_kvcache(q, k_codes, v_codes, 8, k_scale=k_scale, v_scale=v_scale)
+    assert kvcache_checks[0] == 4

@@ -206,6 +206,13 @@ def with_sink(variant, h, row_max, row_sum):
 
 
 NO_MASK = any_layout(np.zeros((1, 1, 1, 1), np.float32))  # read-only: one for every call
+# The variant's arrays where a call has none of it, one for every call (a decoding step
+# made these afresh each time). Writeable, as a call's own would be: numba types read-only
+# arrays apart, a compilation of their own; the kernels never write them.
+NO_ALIBI = np.zeros((0, 0), np.float32)
+NO_LAYOUT = (np.zeros((1, 1, 1, 1), np.int8), np.zeros((1, 1, 1, 1), np.int32),
+             np.zeros((1, 1, 1), np.bool_))  # fmt: skip
+NO_SINKS = np.zeros(0, np.float32)
 
 
 def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int]:
@@ -236,16 +243,17 @@ def balanced_order(table: Tensor, threads: int) -> Tensor | None:
     count = table.shape[0]
     if count <= 1 or threads <= 1:
         return None
-    lengths = table[:, 2] * table[:, 4]
-    if bool((lengths == lengths[0]).all()):
+    rows = table.numpy()  # in lists: torch's ops on a table this small cost a decoding step
+    lengths = (rows[:, 2] * rows[:, 4]).tolist()
+    if all(length == lengths[0] for length in lengths):
         return None
     room = [count // threads + (share < count % threads) for share in range(threads)]
     shares = [[] for _ in range(threads)]
     work = [0] * threads
-    for b in torch.argsort(lengths, descending=True, stable=True).tolist():
+    for b in sorted(range(count), key=lambda b: -lengths[b]):  # heaviest first, ties in order
         share = min((s for s in range(threads) if len(shares[s]) < room[s]), key=work.__getitem__)
         shares[share].append(b)
-        work[share] += int(lengths[b])
+        work[share] += lengths[b]
     return torch.tensor([b for share in shares for b in share])
 
 
@@ -286,15 +294,13 @@ def _lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     order = balanced_order(table, torch.get_num_threads())
     if order is not None:
         table = table[order]
-    alibi2 = np.zeros((0, 0), np.float32)
+    alibi2 = NO_ALIBI
     if variant.alibi_slopes is not None:
         slopes = variant.alibi_slopes if order is None else variant.alibi_slopes[order]
         alibi2 = as_numpy((slopes * LOG2E).float().contiguous())
     layout = variant.block_mask
     if layout is None:
-        kinds = np.zeros((1, 1, 1, 1), np.int8)
-        partial_index = np.zeros((1, 1, 1, 1), np.int32)
-        partial = np.zeros((1, 1, 1), np.bool_)
+        kinds, partial_index, partial = NO_LAYOUT
         block_q = block_k = 0
     else:
         # Per (batch, head) copies, O(L S / block^2): C-contiguous, as without a layout, so
@@ -306,7 +312,7 @@ def _lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
         if partial.shape[0] == 0:
             partial = np.zeros((1, *layout.block_size), np.bool_)
         block_q, block_k = layout.block_size
-    sinks2 = np.zeros(0, np.float32)
+    sinks2 = NO_SINKS
     if variant.sinks is not None:
         sinks2 = as_numpy((variant.sinks.detach().float() * LOG2E).contiguous())
     return (
