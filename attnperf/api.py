@@ -75,11 +75,11 @@ def attention(
     autocast = _autocast_dtype(query)
     # A call whose metadata was seen before (outside autocast) skips its checks and the
     # backend's choice: they are kept (attnperf.plans).
-    call = None
+    metadata = None
     if autocast is None:
-        call = plans.dense_key(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                               enable_gqa, backend, variants)  # fmt: skip
-    plan = None if call is None else plans.dense_plan(call)
+        metadata = plans.dense_key(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                   enable_gqa, backend, variants)  # fmt: skip
+    plan = None if metadata is None else plans.dense_plan(metadata)
     if plan is not None:
         inputs = plan.bind(query, key, value)
         return inputs.restore(*plan.backend.run(inputs))
@@ -94,8 +94,8 @@ def attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **variants
         )
         chosen = dispatch.select(inputs, backend)
-        if call is not None:
-            plans.keep_dense_plan(call, inputs, chosen)
+        if metadata is not None:
+            plans.keep_dense_plan(metadata, inputs, chosen)
         return inputs.restore(*chosen.run(inputs))
 
 
@@ -179,19 +179,19 @@ def attention_with_kvcache(
     """
     # The checks of the call's metadata are kept for a call that recurs (attnperf.plans);
     # its lengths and the backend's choice are worked out every call.
-    key = plans.kvcache_key(
+    metadata = plans.kvcache_key(
         q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_leftpad, is_causal,
         scale, window, softcap, alibi_slopes, num_splits, return_lse, sinks, k_scale, v_scale,
     )  # fmt: skip
-    call = None if key is None else plans.kept_kvcache_call(key)
+    call = None if metadata is None else plans.kept_kvcache_call(metadata)
     if call is None:
         call = check_kvcache_call(
             q, k_cache, v_cache, k_new, v_new, block_table=block_table, is_causal=is_causal,
             scale=scale, window=window, softcap=softcap, num_splits=num_splits,
             return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
-        if key is not None:
-            plans.keep_kvcache_call(key, call)
+        if metadata is not None:
+            plans.keep_kvcache_call(metadata, call)
     inputs = bind_kvcache(
         call, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table,
         cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale,
