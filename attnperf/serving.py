@@ -352,17 +352,16 @@ class KVCacheInputs:
 @dataclass(frozen=True)
 class KVCacheCall:
     """What an attention_with_kvcache call's checks of its metadata found (shapes, dtypes,
-    devices, the scalar arguments), before any tensor's values: a contiguous cache's own
-    block table (None for a paged cache: the caller's, per call), the new keys' length and
-    the checked scalars. `bind_kvcache` adds a call's values; attnperf.plans keeps these
+    devices, the scalar arguments), before any tensor's values: the sizes the values are
+    checked against (B, Lq, Hq, the cache's pages), a contiguous cache's own block table
+    (None for a paged cache: the caller's, per call), the new keys' length and the checked
+    scalars. `bind_kvcache` adds a call's values; attnperf.plans keeps these
     for calls whose metadata recurs (a growing cache's length aside)."""
 
     batch: int
     q_len: int
     q_heads: int
-    head_dim: int
     pages: int
-    page_size: int
     table: Tensor | None
     new_len: int
     is_causal: bool
@@ -430,9 +429,7 @@ def check_kvcache_call(
         batch=batch,
         q_len=q_len,
         q_heads=q_heads,
-        head_dim=head_dim,
         pages=pages,
-        page_size=page_size,
         table=table if block_table is None else None,
         new_len=new_len,
         is_causal=check_flag("is_causal", is_causal),
