@@ -17,18 +17,23 @@ def no_plans():
     plans.clear()
 
 
-@pytest.fixture
-def prepares(monkeypatch):
-    """How many calls went through the full checks."""
+def count_calls(monkeypatch, name: str) -> list[int]:
+    """[how many times attnperf.api's `name` has run], counted from now on."""
     count = [0]
-    checked = api.prepare
+    checked = getattr(api, name)
 
     def counting(*args, **kwargs):
         count[0] += 1
         return checked(*args, **kwargs)
 
-    monkeypatch.setattr(api, "prepare", counting)
+    monkeypatch.setattr(api, name, counting)
     return count
+
+
+@pytest.fixture
+def prepares(monkeypatch):
+    """How many calls went through the full checks."""
+    return count_calls(monkeypatch, "prepare")
 
 
 def qkv(*shape, **options):
@@ -141,15 +146,7 @@ def test_thread_count_is_part_of_the_metadata(prepares):
 @pytest.fixture
 def kvcache_checks(monkeypatch):
     """How many attention_with_kvcache calls had their metadata checked."""
-    count = [0]
-    checked = api.check_kvcache_call
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return checked(*args, **kwargs)
-
-    monkeypatch.setattr(api, "check_kvcache_call", counting)
-    return count
+    return count_calls(monkeypatch, "check_kvcache_call")
 
 
 def test_a_growing_cache_keeps_its_plan_and_each_step_its_own_result(kvcache_checks):

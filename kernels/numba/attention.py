@@ -975,7 +975,7 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
                 run_parallel(packed_forward, *args)
     if out.shape[3] != inputs.value_dim:  # a bf16 call of odd E ran on a zero column more
         out = out[..., : inputs.value_dim].contiguous()
-    return (out if out.dtype == inputs.dtype else out.to(inputs.dtype)), stats
+    return out.to(inputs.dtype), stats
 
 
 def query_tiles(inputs: AttentionInputs, variant: tuple, block_m: int) -> int:

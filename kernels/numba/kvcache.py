@@ -580,6 +580,7 @@ def merge_splits(partial_out, partial_stats, variant, out, stats):
     """
     splits, batch, heads, q_len, value_dim = partial_out.shape
     row = np.empty(value_dim, np.float32)
+    bf16_bits = out.itemsize == 2
     for item in range(batch * heads):
         b, h, _ = split_index(item, heads, 1)
         for t in range(q_len):
@@ -601,7 +602,7 @@ def merge_splits(partial_out, partial_stats, variant, out, stats):
             inverse = np.float32(inverse)
             out_row = out[b, h, t]
             for e in range(value_dim):
-                if out.itemsize == 2:  # bf16 bits
+                if bf16_bits:
                     out_row[e] = to_bf16(row[e] * inverse)
                 else:
                     out_row[e] = row[e] * inverse
@@ -772,4 +773,4 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
             run_parallel(kvcache_forward_splits, *args)
         else:
             kvcache_forward_serial(*args)
-    return (out if out.dtype == inputs.dtype else out.to(inputs.dtype)), stats
+    return out.to(inputs.dtype), stats

@@ -73,6 +73,9 @@ def _host_features() -> frozenset[str]:
 
 
 TILE_CHOICES = ("auto", "blas", "own")
+# The environment variables the route depends on.
+ROUTE_VARIABLES = ("ATTNPERF_NUMBA_TILES", "ATTNPERF_NUMBA_AMX", "NUMBA_CPU_NAME",
+                   "NUMBA_CPU_FEATURES")  # fmt: skip
 
 
 def tile_route(kind: str) -> tuple[str, str]:
@@ -92,12 +95,9 @@ def tile_route(kind: str) -> tuple[str, str]:
     return _tile_route(kind, setting)
 
 
-ROUTE_VARIABLES = ("ATTNPERF_NUMBA_TILES", "ATTNPERF_NUMBA_AMX", "NUMBA_CPU_NAME",
-                   "NUMBA_CPU_FEATURES")  # fmt: skip
-
-
 @functools.cache
 def _tile_route(kind: str, setting: tuple) -> tuple[str, str]:
+    """`tile_route`; `setting`, the values of ROUTE_VARIABLES it reads, only keys the cache."""
     choice = os.environ.get("ATTNPERF_NUMBA_TILES", "auto")
     if choice not in TILE_CHOICES:
         raise ValueError(f"ATTNPERF_NUMBA_TILES must be one of {TILE_CHOICES}, got {choice!r}")
