@@ -11,7 +11,13 @@ from attnperf import dispatch, ops, plans
 from attnperf.inputs import check_sinks, prepare
 from attnperf.layouts import BlockMask
 from attnperf.linear_inputs import prepare_linear
-from attnperf.serving import append_to_cache, bind_kvcache, check_kvcache_call, prepare_varlen
+from attnperf.serving import (
+    append_to_cache,
+    bind_kvcache,
+    check_kvcache_call,
+    check_step,
+    prepare_varlen,
+)
 
 
 def attention(
@@ -178,11 +184,19 @@ def attention_with_kvcache(
     as they are written, codes and scales. The output is in q's dtype.
     """
     # The checks of the call's metadata are kept for a call that recurs (attnperf.plans);
-    # its lengths and the backend's choice are worked out every call.
+    # its lengths and the backend's choice are worked out every call, but for a named
+    # backend's plain steps, which run on its step launcher once their values are checked.
     metadata = plans.kvcache_key(
         q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_leftpad, is_causal,
         scale, window, softcap, alibi_slopes, num_splits, return_lse, sinks, k_scale, v_scale,
     )  # fmt: skip
+    step_key = plans.kvcache_step_key(
+        metadata, backend, cache_seqlens, k_new, block_table, cache_leftpad, sinks
+    )
+    step = None if step_key is None else plans.kept_kvcache_step(step_key)
+    if step is not None:
+        check_step(k_cache, v_cache, cache_seqlens)
+        return step(q, k_cache, v_cache, cache_seqlens)
     call = None if metadata is None else plans.kept_kvcache_call(metadata)
     if call is None:
         call = check_kvcache_call(
@@ -199,6 +213,10 @@ def attention_with_kvcache(
     )  # fmt: skip
     chosen = dispatch.select(inputs, backend)
     append_to_cache(inputs)
+    if step_key is not None and not inputs.needs_grad:
+        launch = chosen.kvcache_step(inputs)
+        if launch is not None:
+            plans.keep_kvcache_step(step_key, launch)
     return inputs.restore(*chosen.run_kvcache(inputs))
 
 

@@ -102,6 +102,16 @@ class Backend:
         accepted KV-cache call whose new keys are already written into the cache."""
         raise NotImplementedError
 
+    def kvcache_step(self, inputs: KVCacheInputs) -> Callable[..., object] | None:
+        """A launcher for the next steps of an accepted KV-cache call like `inputs` (a
+        contiguous cache, one int length for every sequence, no new keys, left padding,
+        ALiBi, sinks or int8 scales), or None (the default: every call runs whole).
+        step(q, k_cache, v_cache, cache_seqlens) takes a call's own arguments, its metadata
+        that of `inputs` but for the cache's length and its values checked
+        (`serving.check_step`), and returns what attention_with_kvcache returns.
+        attnperf.plans keeps it per call metadata."""
+        return None
+
     def run_linear(self, inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
         """(output (B, T, HV, V) in the call's dtype, final state (N, HV, K, V) in the compute
         dtype) of an accepted linear_attention call; differentiable where declared."""

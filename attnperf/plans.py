@@ -10,11 +10,16 @@ Xeon, 2 threads; SDPA's whole call 55 us). A plan keeps what they found under th
 metadata; the next call with that metadata binds its own tensors to it and runs.
 
 An attention_with_kvcache call keeps the checks of its metadata alone: its lengths are
-values, checked per call, and so is the backend's choice, which may read them.
+values, checked per call, and so is the backend's choice, which may read them. Where the
+backend is named and the call is a plain step (a contiguous cache, one int length, no new
+keys, left padding or sinks: transformers' decoding), the backend's own launcher for such
+steps is kept too (`Backend.kvcache_step`), and the next step runs on it after its values'
+checks alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +32,7 @@ from attnperf.serving import KVCacheCall
 
 # Plans kept at most; past it they are dropped all at once (a model uses a handful).
 MAX_PLANS = 256
-_PLANS: dict[tuple, DensePlan | KVCacheCall] = {}
+_PLANS: dict[tuple, DensePlan | KVCacheCall | KVCacheStep] = {}
 
 # The scalar arguments' types that a plan's key may hold: each value of these types checks
 # alike (is_causal=1 is refused where True is not, so a key never mixes them).
@@ -118,12 +123,13 @@ def dense_key(
 def dense_plan(key: tuple) -> DensePlan | None:
     """The plan kept for `key`, if the backend's choice would still read what it read."""
     plan = _PLANS.get(key)
-    if plan is None:
-        return None
-    kept, now = plan.selection_state, dispatch.selection_state()
-    if any(a is not b for a, b in zip(kept, now, strict=True)):
-        return None
-    return plan
+    return plan if plan is not None and _current(plan.selection_state) else None
+
+
+def _current(selection_state: tuple) -> bool:
+    """Whether the registry and the CPU table in force are the ones a plan read."""
+    now = dispatch.selection_state()
+    return all(a is b for a, b in zip(selection_state, now, strict=True))
 
 
 def keep_dense_plan(key: tuple, inputs: AttentionInputs, chosen: Backend) -> None:
@@ -202,3 +208,41 @@ def _keep(key: tuple, plan: object) -> None:
 def clear() -> None:
     """Drop every plan (the next call of each shape is checked in full again)."""
     _PLANS.clear()
+
+
+@dataclass(frozen=True)
+class KVCacheStep:
+    """A named backend's launcher for a plain KV-cache step's metadata
+    (`Backend.kvcache_step`), and what the backend's choice read (as DensePlan's)."""
+
+    launch: Callable[..., object]
+    selection_state: tuple
+
+
+def kvcache_step_key(
+    metadata: tuple | None, backend: object, cache_seqlens, k_new, block_table, cache_leftpad,
+    sinks,
+) -> tuple | None:  # fmt: skip
+    """The key of a backend's step launcher for calls with this metadata (`kvcache_key`),
+    or None where the call is no plain step: "auto" (whose choice may read the lengths),
+    lengths not one int, new keys, a paged cache, left padding, sinks. The launcher's work
+    depends on the grad mode and the thread count too."""
+    plain = (
+        type(backend) is str and backend != "auto" and type(cache_seqlens) is int
+        and k_new is None and block_table is None and cache_leftpad is None and sinks is None
+    )  # fmt: skip
+    if metadata is None or not plain:
+        return None
+    return ("step", metadata, backend, torch.is_grad_enabled(), torch.get_num_threads())
+
+
+def kept_kvcache_step(key: tuple) -> Callable[..., object] | None:
+    """The step launcher kept for `key`, if the backend's choice would still read what it
+    read."""
+    step = _PLANS.get(key)
+    return step.launch if step is not None and _current(step.selection_state) else None
+
+
+def keep_kvcache_step(key: tuple, launch: Callable[..., object]) -> None:
+    """Keep a backend's step launcher for the next call with its key (`kvcache_step_key`)."""
+    _keep(key, KVCacheStep(launch, dispatch.selection_state()))

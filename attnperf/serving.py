@@ -310,14 +310,19 @@ class KVCacheInputs:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of K and V the call's sequences read: int8 codes and their float32 scales,
-        else fp32 (what the kernels compute a float cache in)."""
+        """Bytes of K and V the call's sequences read (`key_bytes` a key)."""
         keys = sum(self.sequences.table.numpy()[:, 4].tolist())  # a list: see Sequences
+        return keys * self.key_bytes
+
+    @property
+    def key_bytes(self) -> int:
+        """Bytes of K and V a key takes, every kv head: int8 codes and their float32 scales,
+        else fp32 (what the kernels compute a float cache in)."""
         if self.quantized:
             per_key = self.head_dim + self.value_dim + 4 * (self.k_scale.shape[3]
                                                             + self.v_scale.shape[3])  # fmt: skip
-            return keys * self.kv_heads * per_key
-        return keys * self.kv_heads * (self.head_dim + self.value_dim) * 4
+            return self.kv_heads * per_key
+        return self.kv_heads * (self.head_dim + self.value_dim) * 4
 
     @property
     def needs_grad(self) -> bool:
@@ -468,8 +473,7 @@ def bind_kvcache(
         b = int(lengths.argmax())
         where = (f"{table.shape[1]} pages of {page_size} in block_table" if block_table is not None
                  else f"S_max = {capacity}")  # fmt: skip
-        raise ValueError(f"cache_seqlens[{b}] + k_new's length = {int(seqlens[b])} + {new_len} "
-                         f"keys exceed the cache's capacity ({where})")  # fmt: skip
+        raise ValueError(_past_capacity(b, int(seqlens[b]), new_len, where))
     if block_table is not None:
         _check_pages(table, lengths, page_size, call.pages)
     variant = Variant(
@@ -498,6 +502,25 @@ def bind_kvcache(
         num_splits=call.num_splits,
         variant=variant,
     )
+
+
+def check_step(k_cache: Tensor, v_cache: Tensor, cache_seqlens: int) -> None:
+    """bind_kvcache's checks of a planned step's values (`Backend.kvcache_step`: a
+    contiguous cache, no new keys, one int length), with its messages."""
+    _check_same_rows(k_cache, v_cache)
+    _check_length("cache_seqlens", cache_seqlens)
+    if cache_seqlens > k_cache.shape[1]:
+        raise ValueError(_past_capacity(0, cache_seqlens, 0, f"S_max = {k_cache.shape[1]}"))
+
+
+def _past_capacity(b: int, seqlen: int, new_len: int, where: str) -> str:
+    return (f"cache_seqlens[{b}] + k_new's length = {seqlen} + {new_len} keys exceed the "
+            f"cache's capacity ({where})")  # fmt: skip
+
+
+def _check_length(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def _check_same_rows(k_cache: Tensor, v_cache: Tensor) -> None:
@@ -541,8 +564,7 @@ def _check_pages(table: Tensor, lengths: np.ndarray, page_size: int, pages: int)
 def _cache_seqlens(name: str, value: object, batch: int) -> np.ndarray:
     """cache_seqlens (or cache_leftpad) as a (B,) int64 numpy array."""
     if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+        _check_length(name, value)
         return np.full(batch, int(value), np.int64)
     if not isinstance(value, Tensor) or value.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be an int or an int32 tensor, got "

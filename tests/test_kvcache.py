@@ -347,13 +347,15 @@ def test_numba_decode_every_step_kind_keeps_the_2x_rule(dtype, kind, head_dims, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_numba_decode_at_realistic_size_keeps_the_2x_rule(dtype, monkeypatch):
     """One token over 4096 cached keys, Llama's head dim and a GQA group of 4, in the
-    step's real tiles (192 keys), whichever kind this CPU runs."""
+    step's real tiles (192 keys), whichever kind this CPU runs, in both cache layouts
+    (transformers' head-major one: the values of a head's whole tile in one product)."""
     monkeypatch.setattr(numba_kvcache, "DECODE_BLOCK_N", 192)
     call = cache_call(dtype, new=0, cached=(4096, 3096), seed=11, head_dim=128, s_max=4096)
     exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
-    out, lse, _, _ = run(dispatch.registry()["numba"], call)
-    assert_agrees(out, exact[0], baseline[0])
-    assert_agrees(lse, exact[1], baseline[1], what="lse")
+    for layout in (call, head_major(call)):
+        out, lse, _, _ = run(dispatch.registry()["numba"], layout)
+        assert_agrees(out, exact[0], baseline[0])
+        assert_agrees(lse, exact[1], baseline[1], what="lse")
 
 
 @NO_AMX

@@ -193,3 +193,101 @@ def test_kvcache_calls_with_alibi_or_int8_scales_are_checked_every_time(kvcache_
         attnperf.attention_with_kvcache(q, k_cache, v_cache, 8, alibi_slopes=slopes)
         attnperf.attention_with_kvcache(q, k_codes, v_codes, 8, k_scale=k_scale, v_scale=v_scale)
     assert kvcache_checks[0] == 4
+
+
+@pytest.fixture
+def binds(monkeypatch):
+    """How many attention_with_kvcache calls ran whole (their values bound to KVCacheInputs)."""
+    return count_calls(monkeypatch, "bind_kvcache")
+
+
+def whole_call(*args, **kwargs):
+    """attention_with_kvcache as a first call runs it: checked and bound, no plan kept."""
+    plans.clear()
+    result = attnperf.attention_with_kvcache(*args, **kwargs)
+    plans.clear()
+    return result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_named_backends_plain_steps_run_on_its_step_launcher(binds, dtype):
+    """transformers' decoding (a growing head-major cache, an int length, numba named): the
+    first call runs whole, the next ones on numba's step launcher, each with the whole
+    call's result (the same kernel on the same operands); a cache of the other layout
+    under the same metadata too, and LSEs."""
+    q = torch.randn(1, 1, 8, 64, dtype=dtype)
+    keys, values = (torch.randn(1, 2, 300, 64, dtype=dtype) for _ in range(2))
+    steps = [(length, *(t[:, :, :length].transpose(1, 2) for t in (keys, values)))
+             for length in (100, 101, 299)]  # fmt: skip
+    steps.append((200, steps[-1][1].contiguous(), steps[-1][2].contiguous()))  # row-major
+    expected = [whole_call(q, k, v, length, backend="numba", return_lse=True)
+                for length, k, v in steps]  # fmt: skip
+    assert binds[0] == len(steps)
+    for (length, k_cache, v_cache), (out, lse) in zip(steps, expected, strict=True):
+        got = attnperf.attention_with_kvcache(q, k_cache, v_cache, length, backend="numba",
+                                              return_lse=True)  # fmt: skip
+        assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+        assert torch.equal(
+            attnperf.attention_with_kvcache(q, k_cache, v_cache, length, backend="numba"), out
+        )
+    assert binds[0] == len(steps) + 2  # the first call with an LSE, the first without
+
+
+def test_a_planned_step_still_checks_its_values(binds):
+    q = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
+    attnperf.attention_with_kvcache(q, k_cache, v_cache, 8, backend="numba")
+    with pytest.raises(ValueError, match=r"capacity \(S_max = 16\)"):
+        attnperf.attention_with_kvcache(q, k_cache, v_cache, 17, backend="numba")
+    with pytest.raises(ValueError, match="cache_seqlens must be >= 0"):
+        attnperf.attention_with_kvcache(q, k_cache, v_cache, -1, backend="numba")
+    with pytest.raises(ValueError, match="v_cache's first 3 dims"):
+        attnperf.attention_with_kvcache(q, torch.randn(2, 12, 2, 8), v_cache, 8, backend="numba")
+    with pytest.raises(TypeError, match="cache_seqlens must be an int"):
+        attnperf.attention_with_kvcache(q, k_cache, v_cache, 8.0, backend="numba")
+    assert binds[0] == 1 + 1  # the first call; the float length went the whole way
+
+
+def test_steps_are_kept_for_plain_calls_of_a_named_backend_only(binds):
+    """ "auto" (its choice may read the lengths), tensor lengths, new keys, left padding,
+    sinks, a paged cache and an fp16 cache (converted per call) run whole every time."""
+    q = torch.randn(1, 1, 4, 8)
+    k_cache, v_cache = torch.randn(1, 32, 2, 8), torch.randn(1, 32, 2, 8)
+    new = torch.randn(1, 1, 2, 8)
+    pages, table = torch.randn(2, 16, 2, 8), torch.tensor([[0, 1]], dtype=torch.int32)
+    calls = [
+        lambda: attnperf.attention_with_kvcache(q, k_cache, v_cache, 8),
+        lambda: attnperf.attention_with_kvcache(
+            q, k_cache, v_cache, torch.tensor([8], dtype=torch.int32), backend="numba"),
+        lambda: attnperf.attention_with_kvcache(q, k_cache, v_cache, 8, new, new,
+                                                backend="numba"),
+        lambda: attnperf.attention_with_kvcache(
+            q, k_cache, v_cache, 8, cache_leftpad=torch.tensor([1], dtype=torch.int32),
+            backend="numba"),
+        lambda: attnperf.attention_with_kvcache(q, k_cache, v_cache, 8, sinks=torch.zeros(4),
+                                                backend="numba"),
+        lambda: attnperf.attention_with_kvcache(q, pages, pages, 20, block_table=table,
+                                                backend="numba"),
+        lambda: attnperf.attention_with_kvcache(q.half(), k_cache.half(), v_cache.half(), 8,
+                                                backend="numba"),
+    ]  # fmt: skip
+    for call in calls:
+        before = binds[0]
+        call()
+        call()
+        assert binds[0] == before + 2
+
+
+def test_a_step_is_kept_per_thread_count_and_grad_mode(binds):
+    q = torch.randn(1, 1, 4, 8)
+    k_cache, v_cache = torch.randn(1, 32, 2, 8), torch.randn(1, 32, 2, 8)
+    threads = torch.get_num_threads()
+    try:
+        for count in (threads, 1, threads):
+            torch.set_num_threads(count)
+            attnperf.attention_with_kvcache(q, k_cache, v_cache, 8, backend="numba")
+        with torch.no_grad():
+            attnperf.attention_with_kvcache(q, k_cache, v_cache, 8, backend="numba")
+    finally:
+        torch.set_num_threads(threads)
+    assert binds[0] == (2 if threads == 1 else 3)  # a thread count's first, no_grad's first

@@ -61,6 +61,26 @@ def wide_vectors(typingctx):
     return types.void(), codegen
 
 
+@intrinsic
+def pointer_at(typingctx, address, like):
+    """A pointer to elements of `like`'s dtype at `address` (an int)."""
+    pointer = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(types.intp, like), codegen
+
+
+@njit()
+def array_at(memory):
+    """The C-contiguous array in memory = (address, shape, an empty array of its dtype)
+    that a torch tensor owns (`launch.memory_of`): a kernel reads the tensor without a
+    numpy array made for it in Python (~2.5 us each, more inside a model's step)."""
+    address, shape, like = memory
+    return numba.carray(pointer_at(address, like), shape)
+
+
 @njit()
 def split_index(item, heads, tiles):
     """(batch, head, tile) of a flat prange index (prange indices are unsigned)."""

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnperf.backend import lse_from_stats
+from attnperf.inputs import Sequences
 from attnperf.kernels.numba.amx import (
     TILE_CONFIG,
     TILE_PAIRS,
@@ -29,17 +31,18 @@ from attnperf.kernels.numba.attention import (
     scale_scores,
 )
 from attnperf.kernels.numba.fastmath import LOG2E, widen
-from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index, wide_vectors
-from attnperf.kernels.numba.launch import (
-    as_bf16_bits,
-    as_fp32,
-    as_numpy,
-    bf16_array,
-    float32_array,
-    run_parallel,
+from attnperf.kernels.numba.jit import (
+    FASTMATH,
+    array_at,
+    njit,
+    prange,
+    split_index,
+    wide_vectors,
 )
+from attnperf.kernels.numba.launch import as_numpy, empty_output, memory_of, run_parallel
 from attnperf.kernels.numba.microkernels import (
     BF16,
+    BLOCK_ROWS,
     FP32,
     LANES,
     ONE,
@@ -55,6 +58,7 @@ from attnperf.kernels.numba.variant import (
     modifies_scores,
     modify_scores,
     tile_structure,
+    with_sequences,
     with_sink,
 )
 from attnperf.serving import KVCacheInputs
@@ -246,13 +250,13 @@ def round_to_bf16(s, rows, cols):
 
 
 @njit()
-def memory_order(item, chunks, heads, head_major):
-    """(first key, head) of the item-th (16-key chunk, head) of a tile, in the order its
-    cache lies in memory: chunk by chunk across the heads of row-major pages, head by head
-    along the rows of head-major ones."""
+def memory_order(item, chunks, heads, head_major, span):
+    """(first key, head) of the item-th (chunk of `span` keys, head) of a tile, in the order
+    its cache lies in memory: chunk by chunk across the heads of row-major pages, head by
+    head along the rows of head-major ones."""
     if head_major:
-        return item % chunks * LANES, item // chunks
-    return item // heads * LANES, item % heads
+        return item % chunks * span, item // chunks
+    return item // heads * span, item % heads
 
 
 @njit()
@@ -281,7 +285,7 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
     k_at, k_head, k_row = page_offsets(k_pages, head_major, page, first_row)
     chunks = (cols + LANES - 1) // LANES
     for item in range(chunks * kv_heads):
-        c, hk = memory_order(item, chunks, kv_heads, head_major)
+        c, hk = memory_order(item, chunks, kv_heads, head_major, LANES)
         q_view = (q_rows, hk * rows * q_rows.shape[2], q_rows.shape[2])
         k_view = (k_pages, k_at + hk * k_head + c * k_row, k_row)
         s_view = (s, hk * rows * width + c, width)
@@ -299,18 +303,24 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
 def chunked_values(p, values, head_major, cols, acc):
     """acc[hk, :rows] += P V for every kv head hk, P (Hk, rows, W) in fp32 (a bf16 call's
     rounded to bf16), the values where they lie (values: (pages, offset of head 0's first
-    key, between heads, between keys); bf16 ones widened in registers), in (16-key chunk,
-    head) pairs in memory order (`memory_order`)."""
+    key, between heads, between keys); bf16 ones widened in registers), in (chunk, head)
+    pairs in memory order (`memory_order`). Head-major pages give rows that fit one
+    micro-kernel a head's whole tile at once: its accumulators stay in registers across the
+    tile's keys (4 rows, 192-key tiles, bf16, Intel Xeon: 37 us against 68 per 2048 keys of
+    2 heads). Otherwise 16-key chunks: more rows' values stay in L1 across the row blocks,
+    and row-major pages are read across their heads (a head at a time, a 16k-key step of
+    32/8 heads ran 1.5x slower)."""
     kv_heads, rows, width = p.shape
     pages, v_at, v_head, v_row = values
     acc_rows, value_dim = acc.shape[1], acc.shape[2]
-    chunks = (cols + LANES - 1) // LANES
+    span = cols if head_major and rows <= BLOCK_ROWS else LANES
+    chunks = (cols + span - 1) // span
     for item in range(chunks * kv_heads):
-        c, hk = memory_order(item, chunks, kv_heads, head_major)
+        c, hk = memory_order(item, chunks, kv_heads, head_major, span)
         p_view = (p, hk * rows * width + c, width, 1)
         v_view = (pages, v_at + hk * v_head + c * v_row, v_row, LANES)
         acc_view = (acc, hk * acc_rows * value_dim, value_dim)
-        tile_product(min(LANES, cols - c), ONE, ONE, p_view, v_view, acc_view, rows, value_dim)
+        tile_product(min(span, cols - c), ONE, ONE, p_view, v_view, acc_view, rows, value_dim)
 
 
 @njit()
@@ -352,7 +362,7 @@ def amx_key_scores(q_pairs, keys, head_major, cols, k_tail, st):
     chunks = whole_tiles(cols) // TILE_ROWS
     steps = pairs // TILE_PAIRS
     for item in range(chunks * heads):
-        c, hk = memory_order(item, chunks, heads, head_major)
+        c, hk = memory_order(item, chunks, heads, head_major, TILE_ROWS)
         q_at, st_at = hk * q_pairs.shape[1] * q_pairs.shape[2], (hk * per_head + c) * st.shape[1]
         if c < whole:
             a_view = (pages, k_at + hk * k_head + c * k_row, k_row)
@@ -610,14 +620,22 @@ def merge_splits(partial_out, partial_stats, variant, out, stats):
             stats[b, h, t, 1] = total
 
 
+@njit()
+def kvcache_arrays(memory):
+    """(q_rows, k_pages, v_pages, out, stats) in a step's tensors' memory (`array_at`)."""
+    return (array_at(memory[0]), array_at(memory[1]), array_at(memory[2]), array_at(memory[3]),
+            array_at(memory[4]))  # fmt: skip
+
+
 @njit(parallel=True, fastmath=FASTMATH)
 def kvcache_forward_splits(
-    q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
-    block_n, kind, splits, out, stats,
+    memory, k_scales, v_scales, head_major, block_table, variant, scale, block_n, kind, splits,
 ):  # fmt: skip
     """Every (sequence, split) of kvcache_split, in parallel, then merge_splits into out
-    and stats (in the same call: a call into numba costs a step ~10 us). The splits'
+    and stats (in the same call: a call into numba costs a step ~10 us). memory: q_rows,
+    k_pages, v_pages, out and stats, torch tensors' memory (`kvcache_arrays`). The splits'
     partial results are made here, never leaving the call."""
+    q_rows, k_pages, v_pages, out, stats = kvcache_arrays(memory)
     partial_out = np.empty((splits, *out.shape), np.float32)
     partial_stats = np.empty((splits, *stats.shape), np.float32)
     for item in prange(q_rows.shape[0] * splits):
@@ -631,11 +649,11 @@ def kvcache_forward_splits(
 
 @njit(fastmath=FASTMATH)
 def kvcache_forward_serial(
-    q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
-    block_n, kind, splits, out, stats,
+    memory, k_scales, v_scales, head_major, block_table, variant, scale, block_n, kind, splits,
 ):  # fmt: skip
     """kvcache_forward_splits on the calling thread: for steps too small to pay for waking
     numba's threads (see PARALLEL_MIN_BYTES)."""
+    q_rows, k_pages, v_pages, out, stats = kvcache_arrays(memory)
     partial_out = np.empty((splits, *out.shape), np.float32)
     partial_stats = np.empty((splits, *stats.shape), np.float32)
     for item in range(q_rows.shape[0] * splits):
@@ -648,14 +666,18 @@ def kvcache_forward_serial(
 
 
 def kvcache_splits(inputs: KVCacheInputs, threads: int) -> int:
-    """How many chunks each sequence's keys are split into: as asked, else enough that the
-    (batch, split) items fill the threads evenly, with at least MIN_SPLIT_KEYS keys each."""
-    if inputs.num_splits:
-        return inputs.num_splits
-    items = inputs.batch  # an item walks every head (see kvcache_forward_splits)
+    """How many chunks each sequence's keys are split into (`split_count`)."""
+    return split_count(inputs.num_splits, inputs.batch, inputs.sequences.max_kv_len, threads)
+
+
+def split_count(num_splits: int, batch: int, longest: int, threads: int) -> int:
+    """num_splits if asked, else enough that the (batch, split) items fill the threads
+    evenly, with at least MIN_SPLIT_KEYS of the longest sequence's keys each."""
+    if num_splits:
+        return num_splits
+    items = batch  # an item walks every head (see kvcache_forward_splits)
     if items == 0 or items >= threads:
         return 1
-    longest = inputs.sequences.max_kv_len
     return max(1, min(threads // math.gcd(items, threads), longest // MIN_SPLIT_KEYS))
 
 
@@ -680,25 +702,25 @@ def _is_head_major(pages: Tensor) -> bool:
     return not pages.is_contiguous() and pages.transpose(1, 2).is_contiguous()
 
 
-def _pages(inputs: KVCacheInputs) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(k pages, v pages, head_major) as the kernel reads them: C-contiguous (P, rows, H, E),
-    or (P, H, rows, E) where the caller's float cache is a view of that (transformers' (B,
-    H, S, E)): read in place; an fp32, bf16 (its bits, widened in registers) or int8
-    cache's own memory, other strides copied, an fp16 cache converted to fp32 (a contiguous
-    one's filled rows only)."""
+def _pages(inputs: KVCacheInputs) -> tuple[Tensor, Tensor, bool]:
+    """(k pages, v pages, head_major) as the kernel reads them, C-contiguous: (P, rows, H,
+    E), or (P, H, rows, E) where the caller's float cache is a view of that (transformers'
+    (B, H, S, E)). The caller's own fp32, bf16 (its bits, widened in registers) or int8
+    memory, other strides copied, an fp16 cache converted to fp32 (a contiguous one's
+    filled rows only)."""
     k_pages, v_pages = inputs.k_pages, inputs.v_pages
     if inputs.quantized:
-        return as_numpy(k_pages.contiguous()), as_numpy(v_pages.contiguous()), False
-    in_place = (torch.float32, torch.bfloat16)
-    if inputs.contiguous and inputs.dtype not in in_place:  # converted: the filled rows only
+        return k_pages.contiguous(), v_pages.contiguous(), False
+    in_place = inputs.dtype in (torch.float32, torch.bfloat16)
+    if inputs.contiguous and not in_place:  # converted: the filled rows only
         filled = int((inputs.sequences.table[:, 3] + inputs.sequences.table[:, 4]).max())
         k_pages, v_pages = k_pages[:, :filled], v_pages[:, :filled]
-    head_major = all(_is_head_major(t) for t in (k_pages, v_pages))
+    head_major = _is_head_major(k_pages) and _is_head_major(v_pages)
     if head_major:
-        k_pages, v_pages = (t.transpose(1, 2) for t in (k_pages, v_pages))
-    read = as_bf16_bits if inputs.dtype == torch.bfloat16 else as_fp32
-    k_pages, v_pages = (np.ascontiguousarray(read(t)) for t in (k_pages, v_pages))
-    return k_pages, v_pages, head_major
+        k_pages, v_pages = k_pages.transpose(1, 2), v_pages.transpose(1, 2)
+    if not in_place:
+        k_pages, v_pages = k_pages.float(), v_pages.float()
+    return k_pages.contiguous(), v_pages.contiguous(), head_major
 
 
 def decode_kind(inputs: KVCacheInputs, head_major: bool) -> int:
@@ -731,17 +753,43 @@ def decode_kind(inputs: KVCacheInputs, head_major: bool) -> int:
     return FP32 if route == "avx512" else LOOPS
 
 
-def query_rows(inputs: KVCacheInputs, kind: int) -> np.ndarray:
-    """The query as (B, H, group Lq, E) rows, each kv head's group of query heads stacked
-    (group g's token t is row g Lq + t): fp32, or for BF16 and AMX bf16 bits with E padded
-    even."""
-    q = inputs.query
-    shape = (q.shape[0], inputs.kv_heads, q.shape[1] // inputs.kv_heads * q.shape[2])
+def query_rows(query: Tensor, kv_heads: int, kind: int) -> Tensor:
+    """The query (B, Hq, Lq, E) as C-contiguous (B, H, group Lq, E) rows, each kv head's
+    group of query heads stacked (group g's token t is row g Lq + t): fp32, or for BF16 and
+    AMX bf16 with E padded even."""
+    rows = (query.shape[0], kv_heads, query.shape[1] // kv_heads * query.shape[2])
     if kind in (AMX, BF16):
-        if q.shape[3] % 2:
-            q = torch.nn.functional.pad(q, (0, 1))
-        return as_bf16_bits(q.contiguous().reshape(*shape, q.shape[3]))
-    return as_numpy(q.to(torch.float32).contiguous().reshape(*shape, q.shape[3]))
+        if query.shape[3] % 2:
+            query = torch.nn.functional.pad(query, (0, 1))
+        return query.contiguous().reshape(*rows, query.shape[3])
+    return query.float().contiguous().reshape(*rows, query.shape[3])
+
+
+# An fp32 or bf16 cache's step has no int8 scales.
+NO_SCALES = np.zeros((0, 0, 0, 0), np.float32)
+
+
+def launch_step(
+    q_rows: Tensor, k_pages: Tensor, v_pages: Tensor, head_major: bool, kind: int, scales: tuple,
+    table: np.ndarray, variant: tuple, scale: float, splits: int, parallel: bool,
+    out_shape: tuple[int, ...], out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out (B, Hq, Lq, Ev) in out_dtype, fp32 or bf16 (written rounded by merge_splits, no
+    fp32 copy converted), stats (B, Hq, Lq, 2)) of kvcache_forward_splits (`parallel`) or
+    kvcache_forward_serial over the step's tensors (`_pages`, `query_rows`). The kernel
+    reads their memory (`memory_of`): a decoding step is short, and each numpy array made
+    for it in Python cost it ~3 us (2-4x that inside a model's step)."""
+    out = empty_output(out_shape, out_dtype)
+    stats = empty_output((*out_shape[:3], 2), torch.float32)
+    if q_rows.numel() == 0:  # no rows, or E = 0: the merge, which writes every row, never runs
+        return out.zero_(), stats.zero_()
+    memory = tuple(memory_of(t) for t in (q_rows, k_pages, v_pages, out, stats))
+    args = (memory, *scales, head_major, table, variant, scale, DECODE_BLOCK_N, kind, splits)
+    if parallel:
+        run_parallel(kvcache_forward_splits, *args)
+    else:
+        kvcache_forward_serial(*args)
+    return out, stats
 
 
 def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
@@ -749,28 +797,67 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     split-K over (batch, split) items, merged exactly."""
     k_pages, v_pages, head_major = _pages(inputs)
     kind = decode_kind(inputs, head_major)
-    q_rows = query_rows(inputs, kind)
-    no_scales = np.zeros((0, 0, 0, 0), np.float32)
-    k_scales, v_scales = no_scales, no_scales
+    scales = (NO_SCALES, NO_SCALES)
     if inputs.quantized:  # read in place: codes and scales, C-contiguous
-        k_scales, v_scales = (as_numpy(t.contiguous()) for t in (inputs.k_scale, inputs.v_scale))
+        scales = tuple(as_numpy(t.contiguous()) for t in (inputs.k_scale, inputs.v_scale))
     threads = torch.get_num_threads()
     parallel = threads > 1 and inputs.kv_bytes >= PARALLEL_MIN_BYTES
-    splits = kvcache_splits(inputs, threads if parallel else 1)
-    rows_shape = inputs.query.shape[:3]
-    # bf16 steps write their output rounded (merge_splits), with no fp32 copy to convert;
-    # the merge writes every row, so memory is zeroed only for a call with no rows.
-    output = bf16_array if inputs.dtype == torch.bfloat16 else float32_array
-    no_rows = q_rows.size == 0
-    out, out_array = output((*rows_shape, v_pages.shape[3]), zero=no_rows)
-    stats, stats_array = float32_array((*rows_shape, 2), zero=no_rows)
-    if not no_rows:
-        variant = lower_variant(inputs)
-        table = as_numpy(inputs.block_table.cpu())
-        args = (q_rows, k_pages, v_pages, k_scales, v_scales, head_major, table, variant,
-                inputs.scale, DECODE_BLOCK_N, kind, splits, out_array, stats_array)  # fmt: skip
-        if parallel:
-            run_parallel(kvcache_forward_splits, *args)
-        else:
-            kvcache_forward_serial(*args)
+    out_shape = (*inputs.query.shape[:3], inputs.value_dim)
+    out, stats = launch_step(
+        query_rows(inputs.query, inputs.kv_heads, kind), k_pages, v_pages, head_major, kind,
+        scales, as_numpy(inputs.block_table.cpu()), lower_variant(inputs), inputs.scale,
+        kvcache_splits(inputs, threads if parallel else 1), parallel, out_shape,
+        torch.bfloat16 if inputs.dtype == torch.bfloat16 else torch.float32,
+    )  # fmt: skip
     return out.to(inputs.dtype), stats
+
+
+class KVCacheStep:
+    """numba's launcher for the next steps of a KV-cache call (`Backend.kvcache_step`): a
+    contiguous fp32 or bf16 cache, one int length for every sequence, no new keys, left
+    padding, ALiBi, sinks or int8 scales. What numba_kvcache_forward works out from the
+    call's metadata (the step's kind for either cache layout, the variant, the shapes) is
+    worked out once; a step binds its own tensors and length. In transformers' generate
+    (bf16, 8/2 heads, S = 2048, Intel Xeon) a whole call's checks and conversions cost
+    ~2.5x the kernel's time inside the model's step."""
+
+    def __init__(self, inputs: KVCacheInputs):
+        self.kinds = (decode_kind(inputs, False), decode_kind(inputs, True))
+        self.variant = lower_variant(inputs)
+        self.table = as_numpy(inputs.block_table.cpu())
+        self.batch, self.q_len, self.kv_heads = inputs.batch, inputs.q_len, inputs.kv_heads
+        self.out_shape = (inputs.batch, inputs.q_heads, inputs.q_len, inputs.value_dim)
+        self.out_dtype = inputs.dtype
+        self.key_bytes = inputs.key_bytes
+        self.num_splits, self.scale = inputs.num_splits, inputs.scale
+        self.return_lse = inputs.variant.return_lse
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: int):
+        """attention_with_kvcache(q, k_cache, v_cache, cache_seqlens) of a step whose
+        metadata is the call's this step was made for (a cache of another length), its
+        values checked (`serving.check_step`)."""
+        k_pages, v_pages = k_cache, v_cache
+        head_major = _is_head_major(k_pages) and _is_head_major(v_pages)
+        if head_major:
+            k_pages, v_pages = k_pages.transpose(1, 2), v_pages.transpose(1, 2)
+        kind = self.kinds[head_major]
+        table = Sequences.dense_table(self.batch, self.q_len, cache_seqlens, "bottom_right")
+        threads = torch.get_num_threads()
+        parallel = threads > 1 and self.batch * cache_seqlens * self.key_bytes >= PARALLEL_MIN_BYTES
+        out, stats = launch_step(
+            query_rows(q.transpose(1, 2), self.kv_heads, kind), k_pages.contiguous(),
+            v_pages.contiguous(), head_major, kind, (NO_SCALES, NO_SCALES), self.table,
+            with_sequences(self.variant, table), self.scale,
+            split_count(self.num_splits, self.batch, cache_seqlens, threads if parallel else 1),
+            parallel, self.out_shape, self.out_dtype,
+        )  # fmt: skip
+        out = out.transpose(1, 2)
+        return (out, lse_from_stats(stats)) if self.return_lse else out
+
+
+def numba_kvcache_step(inputs: KVCacheInputs) -> KVCacheStep | None:
+    """numba's `Backend.kvcache_step`: a KVCacheStep for an fp32 or bf16 cache (an fp16 one
+    is converted per call, its filled rows only: the whole call's path), else None."""
+    if inputs.dtype not in (torch.float32, torch.bfloat16) or inputs.quantized:
+        return None
+    return KVCacheStep(inputs)

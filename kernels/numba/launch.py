@@ -114,16 +114,41 @@ def bf16_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, np.n
     return _output(shape, torch.bfloat16, ctypes.c_uint16, zero)
 
 
-def _output(shape: tuple[int, ...], dtype: torch.dtype, ctype, zero: bool):
+def empty_output(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A new tensor for a kernel to write, in huge pages where it spans some."""
     tensor = torch.empty(shape, dtype=dtype)
+    size = tensor.numel() * tensor.element_size()
+    if size >= HUGE_PAGE:
+        ask_huge_pages(tensor.data_ptr(), size)
+    return tensor
+
+
+def _output(shape: tuple[int, ...], dtype: torch.dtype, ctype, zero: bool):
+    tensor = empty_output(shape, dtype)
     if tensor.numel() == 0:
         return tensor, np.zeros(shape, np.dtype(ctype))
     size = tensor.numel() * tensor.element_size()
-    ask_huge_pages(tensor.data_ptr(), size)
     if zero:
         ctypes.memset(tensor.data_ptr(), 0, size)
     memory = (ctype * tensor.numel()).from_address(tensor.data_ptr())
     return tensor, np.ctypeslib.as_array(memory).reshape(shape)
+
+
+# The kernels' element types: fp32, bf16 as its bits, int8 codes.
+ELEMENTS = {
+    torch.float32: np.empty(0, np.float32),
+    torch.bfloat16: np.empty(0, np.uint16),
+    torch.int8: np.empty(0, np.int8),
+}
+
+
+def memory_of(tensor: Tensor) -> tuple[int, tuple[int, ...], np.ndarray]:
+    """A C-contiguous fp32, bf16 or int8 tensor's memory as a kernel's `array_at` reads it:
+    (address, shape, an empty array of its element type; bf16 as uint16 bits). The caller
+    keeps the tensor alive through the call."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"memory_of needs a C-contiguous tensor, got strides {tensor.stride()}")
+    return tensor.data_ptr(), tuple(tensor.shape), ELEMENTS[tensor.dtype]
 
 
 def any_layout(array: np.ndarray) -> np.ndarray:

@@ -285,6 +285,13 @@ def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     return lowered
 
 
+def with_sequences(lowered: tuple, table: np.ndarray) -> tuple:
+    """A lowered variant (`lower_variant`) with another call's sequences (their table,
+    attnperf.inputs.Sequences') in place of its own: for calls alike but for their lengths,
+    every sequence as long (so that balanced_order keeps their order) and none packed."""
+    return (*lowered[:4], table, *lowered[5:])
+
+
 def _lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     mask, mask_kind = _mask_for_kernel(inputs)
     variant = inputs.variant
