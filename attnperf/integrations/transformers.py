@@ -348,7 +348,7 @@ _LINEAR_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 def _serve_linear(original):
     """`original` (one of LINEAR_FUNCTIONS) unchanged, except inside a patched layer."""
-    signature = inspect.signature(original)
+    signature = _written_signature(original)
 
     @functools.wraps(original)
     def serve(*args, **kwargs):
@@ -367,6 +367,21 @@ def _serve_linear(original):
 
     serve.attnperf_original = original
     return serve
+
+
+def _written_signature(function) -> inspect.Signature:
+    """`function`'s parameters as transformers wrote them. Where HF's `kernels` package is
+    installed (transformers 5.25 requires it), the modeling module holds an nn.Module in the
+    function's place (kernels' `Func`, taking *args and **kwargs), whose forward calls the
+    function it stands for: that one's signature, from the forward's closure."""
+    signature = inspect.signature(function)
+    if any(p.kind is p.POSITIONAL_OR_KEYWORD for p in signature.parameters.values()):
+        return signature
+    forward = getattr(type(function), "forward", None)
+    for cell in getattr(forward, "__closure__", None) or ():
+        if callable(cell.cell_contents):
+            return inspect.signature(cell.cell_contents)
+    return signature
 
 
 def _run_with_backend(forward, backend: str, *args, **kwargs):
