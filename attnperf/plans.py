@@ -199,17 +199,6 @@ def keep_kvcache_call(key: tuple, call: KVCacheCall) -> None:
     _keep(key, call)
 
 
-def _keep(key: tuple, plan: object) -> None:
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-
-
-def clear() -> None:
-    """Drop every plan (the next call of each shape is checked in full again)."""
-    _PLANS.clear()
-
-
 @dataclass(frozen=True)
 class KVCacheStep:
     """A named backend's launcher for a plain KV-cache step's metadata
@@ -246,3 +235,14 @@ def kept_kvcache_step(key: tuple) -> Callable[..., object] | None:
 def keep_kvcache_step(key: tuple, launch: Callable[..., object]) -> None:
     """Keep a backend's step launcher for the next call with its key (`kvcache_step_key`)."""
     _keep(key, KVCacheStep(launch, dispatch.selection_state()))
+
+
+def _keep(key: tuple, plan: object) -> None:
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
+def clear() -> None:
+    """Drop every plan (the next call of each shape is checked in full again)."""
+    _PLANS.clear()

@@ -665,6 +665,12 @@ def kvcache_forward_serial(
     merge_splits(partial_out, partial_stats, variant, out, stats)
 
 
+def step_threads(kv_bytes: int) -> int:
+    """The threads a step of `kv_bytes` of K and V runs on: torch's count from
+    PARALLEL_MIN_BYTES on, else 1 (the calling thread)."""
+    return torch.get_num_threads() if kv_bytes >= PARALLEL_MIN_BYTES else 1
+
+
 def kvcache_splits(inputs: KVCacheInputs, threads: int) -> int:
     """How many chunks each sequence's keys are split into (`split_count`)."""
     return split_count(inputs.num_splits, inputs.batch, inputs.sequences.max_kv_len, threads)
@@ -702,6 +708,14 @@ def _is_head_major(pages: Tensor) -> bool:
     return not pages.is_contiguous() and pages.transpose(1, 2).is_contiguous()
 
 
+def _page_views(k_pages: Tensor, v_pages: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """(k, v, head_major): their (P, H, rows, E) views where both pages are views of
+    C-contiguous ones (transformers' (B, H, S, E) cache), else the pages as they are."""
+    if _is_head_major(k_pages) and _is_head_major(v_pages):
+        return k_pages.transpose(1, 2), v_pages.transpose(1, 2), True
+    return k_pages, v_pages, False
+
+
 def _pages(inputs: KVCacheInputs) -> tuple[Tensor, Tensor, bool]:
     """(k pages, v pages, head_major) as the kernel reads them, C-contiguous: (P, rows, H,
     E), or (P, H, rows, E) where the caller's float cache is a view of that (transformers'
@@ -715,9 +729,7 @@ def _pages(inputs: KVCacheInputs) -> tuple[Tensor, Tensor, bool]:
     if inputs.contiguous and not in_place:  # converted: the filled rows only
         filled = int((inputs.sequences.table[:, 3] + inputs.sequences.table[:, 4]).max())
         k_pages, v_pages = k_pages[:, :filled], v_pages[:, :filled]
-    head_major = _is_head_major(k_pages) and _is_head_major(v_pages)
-    if head_major:
-        k_pages, v_pages = k_pages.transpose(1, 2), v_pages.transpose(1, 2)
+    k_pages, v_pages, head_major = _page_views(k_pages, v_pages)
     if not in_place:
         k_pages, v_pages = k_pages.float(), v_pages.float()
     return k_pages.contiguous(), v_pages.contiguous(), head_major
@@ -800,13 +812,12 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     scales = (NO_SCALES, NO_SCALES)
     if inputs.quantized:  # read in place: codes and scales, C-contiguous
         scales = tuple(as_numpy(t.contiguous()) for t in (inputs.k_scale, inputs.v_scale))
-    threads = torch.get_num_threads()
-    parallel = threads > 1 and inputs.kv_bytes >= PARALLEL_MIN_BYTES
+    threads = step_threads(inputs.kv_bytes)
     out_shape = (*inputs.query.shape[:3], inputs.value_dim)
     out, stats = launch_step(
         query_rows(inputs.query, inputs.kv_heads, kind), k_pages, v_pages, head_major, kind,
         scales, as_numpy(inputs.block_table.cpu()), lower_variant(inputs), inputs.scale,
-        kvcache_splits(inputs, threads if parallel else 1), parallel, out_shape,
+        kvcache_splits(inputs, threads), threads > 1, out_shape,
         torch.bfloat16 if inputs.dtype == torch.bfloat16 else torch.float32,
     )  # fmt: skip
     return out.to(inputs.dtype), stats
@@ -836,20 +847,16 @@ class KVCacheStep:
         """attention_with_kvcache(q, k_cache, v_cache, cache_seqlens) of a step whose
         metadata is the call's this step was made for (a cache of another length), its
         values checked (`serving.check_step`)."""
-        k_pages, v_pages = k_cache, v_cache
-        head_major = _is_head_major(k_pages) and _is_head_major(v_pages)
-        if head_major:
-            k_pages, v_pages = k_pages.transpose(1, 2), v_pages.transpose(1, 2)
+        k_pages, v_pages, head_major = _page_views(k_cache, v_cache)
         kind = self.kinds[head_major]
         table = Sequences.dense_table(self.batch, self.q_len, cache_seqlens, "bottom_right")
-        threads = torch.get_num_threads()
-        parallel = threads > 1 and self.batch * cache_seqlens * self.key_bytes >= PARALLEL_MIN_BYTES
+        threads = step_threads(self.batch * cache_seqlens * self.key_bytes)
         out, stats = launch_step(
             query_rows(q.transpose(1, 2), self.kv_heads, kind), k_pages.contiguous(),
             v_pages.contiguous(), head_major, kind, (NO_SCALES, NO_SCALES), self.table,
             with_sequences(self.variant, table), self.scale,
-            split_count(self.num_splits, self.batch, cache_seqlens, threads if parallel else 1),
-            parallel, self.out_shape, self.out_dtype,
+            split_count(self.num_splits, self.batch, cache_seqlens, threads), threads > 1,
+            self.out_shape, self.out_dtype,
         )  # fmt: skip
         out = out.transpose(1, 2)
         return (out, lse_from_stats(stats)) if self.return_lse else out
