@@ -11,7 +11,9 @@ Products, a 128-row query tile against a 512-key tile as the forward walks them:
 - dS^T Q: dk (512, E) += dS^T @ Q, A read transposed;
 - QK^T by gemm_fp32 with a transposed B, packed per call (the backward's scores);
 - bf16 dO^T P: dv^T (E, 512) += dO^T (E, 128) @ P, P's rows in pairs (the bf16 backward's
-  products over query rows; its others have the forward's shapes).
+  products over query rows; its others have the forward's shapes);
+- on AMX, the bf16 forward's two with the scores transposed: S^T (512, 128) = K Q^T (the
+  keys' rows as they lie, Q^T in panels) and O^T (Ev, 128) += V^T P^T (P^T in key pairs).
 
 And a decode step's products, a GQA group of 4 query rows against a tile of 192 keys, as
 `micro_kernel_tile` walks them: the scores by `scores_by_dots` on key rows as they lie, and
@@ -21,7 +23,8 @@ acc += P V with the tile's values packed in pairs first (the packing counted in)
 
 Then the fp32 forward's tile step by step, each alone: QK^T, the online softmax on the
 score tile (row max, exp2, sums, the accumulator rescaled: each row's max rising by 0.5
-as in a later key tile), PV; and each one's share of the tile.
+as in a later key tile), PV; and each one's share of the tile. Likewise the bf16 forward's
+on AMX (S^T, the softmax down the keys with P^T rounded to bf16, O^T).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 from attnperf.kernels.numba.amx import amx_product, depth_steps
-from attnperf.kernels.numba.attention import online_softmax_rescale, online_softmax_to_bf16
+from attnperf.kernels.numba.attention import online_softmax_rescale, transposed_softmax_to_bf16
 from attnperf.kernels.numba.fastmath import LOG2E
 from attnperf.kernels.numba.jit import FASTMATH, njit
 from attnperf.kernels.numba.kvcache import (
@@ -51,6 +54,7 @@ from attnperf.kernels.numba.microkernels import (
     peak_flops,
     scores_by_dots,
     tile_product,
+    transpose_bf16,
 )
 from attnperf.machine import cpu_description
 
@@ -87,13 +91,14 @@ def repeat_softmax(reps, scores, start, s, acc, row_max, row_sum, shift):
 
 
 @njit(fastmath=FASTMATH)
-def repeat_softmax_to_bf16(reps, s, factor, p16, acc, row_max, row_sum, shift):
-    """The AMX forward's softmax step `reps` times (it never writes s), each row's running
-    max reset to -inf."""
+def repeat_transposed_softmax(reps, s_t, factor, p_t, acc_t, row_max, row_sum, shift):
+    """The AMX forward's softmax step `reps` times (it never writes s_t), each row's
+    running max reset to -inf."""
+    work = np.empty((3, s_t.shape[1]), np.float32)
     for _ in range(reps):
         row_max[:] = -np.inf
-        online_softmax_to_bf16(s, factor, p16, s.shape[0], s.shape[1], acc, row_max, row_sum,
-                               shift)  # fmt: skip
+        transposed_softmax_to_bf16(s_t, factor, p_t, s_t.shape[0], acc_t, row_max, row_sum,
+                                   shift, work)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -214,17 +219,40 @@ def products(dim, rounds):
     rows.append(("dO^T P (E x 512, rows paired)", "bf16", flops, dvt16, torch_mm(q16.T, p16)))
     if peak_flops("amx") is None or dim % 32:
         return rows
-    # The forward's two products on AMX tiles, over the same packings.
-    steps, tiles = dim // 32, ROWS // 16
-    qk_amx = median_seconds(repeated(repeat_amx, (bits(q16), 0, dim), (panels16, 0, 32, dim * 16),
-                                     (scores, 0, KEYS), tiles, KEYS // 16, steps, False),
-                            reps, rounds)  # fmt: skip
-    rows.append(("QK^T (AMX tiles)", "amx", flops, qk_amx, torch_mm(q16, k16.T)))
-    pv_amx = median_seconds(repeated(repeat_amx, (bits(p16), 0, KEYS), (v_pairs, 0, 2 * dim, 32),
-                                     (acc, 0, dim), tiles, dim // 16, KEYS // 32, True),
-                            reps, rounds)  # fmt: skip
-    rows.append(("PV (AMX tiles)", "amx", flops, pv_amx, torch_mm(p16, v16)))
+    # The forward's two products on AMX tiles as `attention.amx_query_tile` runs them, the
+    # scores transposed: S^T = K Q^T (keys' rows as they lie, Q^T in panels of 16 rows),
+    # O^T += V^T P^T (V^T packed, P^T in pairs).
+    q_t, v_t, p_t = amx_forward_operands(q16, v16, p16)
+    scores_t, acc_t = np.zeros((KEYS, ROWS), np.float32), np.zeros((dim, ROWS), np.float32)
+    qk_args, pv_args = amx_forward_views(bits(k16), q_t, v_t, p_t, scores_t, acc_t)
+    qk_amx = median_seconds(repeated(repeat_amx, *qk_args), reps, rounds)
+    rows.append(("S^T = K Q^T (AMX tiles)", "amx", flops, qk_amx, torch_mm(q16, k16.T)))
+    pv_amx = median_seconds(repeated(repeat_amx, *pv_args), reps, rounds)
+    rows.append(("O^T += V^T P^T (AMX tiles)", "amx", flops, pv_amx, torch_mm(p16, v16)))
     return rows
+
+
+def amx_forward_operands(q16, v16, p16):
+    """(Q^T in panels of 16 query rows, V^T, P^T in pairs of keys) as bf16 bits: the AMX
+    forward's B and A operands."""
+    dim = q16.shape[1]
+    q_t = np.empty((ROWS // 16, dim // 2, 32), np.uint16)
+    pack_key_panels(bits(q16), q_t)
+    v_t = np.zeros((dim, KEYS + 32), np.uint16)
+    transpose_bf16(bits(v16), v_t, np.empty((dim // 2, 2 * KEYS), np.uint16))
+    p_t = bits(p16).reshape(ROWS, KEYS // 2, 2).transpose(1, 0, 2).reshape(KEYS // 2, 2 * ROWS)
+    return q_t, v_t, np.ascontiguousarray(p_t)
+
+
+def amx_forward_views(k_bits, q_t, v_t, p_t, scores_t, acc_t):
+    """`amx_product`'s arguments for S^T = K Q^T into scores_t and O^T += V^T P^T into
+    acc_t, as the AMX forward calls it."""
+    dim = k_bits.shape[1]
+    qk = ((k_bits, 0, dim), (q_t, 0, 32, dim * 16), (scores_t, 0, ROWS), KEYS // 16, ROWS // 16,
+          dim // 32, False)  # fmt: skip
+    pv = ((v_t, 0, v_t.shape[1]), (p_t, 0, 2 * ROWS, 32), (acc_t, 0, ROWS), dim // 16,
+          ROWS // 16, KEYS // 32, True)  # fmt: skip
+    return qk, pv
 
 
 def decode_products(dim, rounds):
@@ -299,30 +327,24 @@ def forward_tile(dim, rounds):
 
 
 def amx_forward_tile(dim, rounds):
-    """Seconds of the bf16 forward's tile steps on AMX alone: {"QK^T", "online softmax",
-    "PV"} (the softmax with the scale and P's rounding to bf16 in its one pass)."""
+    """Seconds of the bf16 forward's tile steps on AMX alone, the scores transposed:
+    {"S^T = K Q^T", "online softmax", "O^T += V^T P^T"} (the softmax with the scale and
+    P's rounding to bf16 in its pass)."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (bits(torch.randn(rows, dim, generator=gen).bfloat16())
-               for rows in (ROWS, KEYS, KEYS))  # fmt: skip
-    panels = np.empty((KEYS // 16, dim // 2, 32), np.uint16)
-    pack_key_panels(k, panels)
-    v_pairs = np.empty((KEYS // 2, 2 * dim), np.uint16)
-    pack_vnni(v, v_pairs)
-    scores, acc = np.zeros((ROWS, KEYS), np.float32), np.zeros((ROWS, dim), np.float32)
-    p16, stats = np.zeros((ROWS, KEYS), np.uint16), [np.zeros(ROWS, np.float32) for _ in range(3)]
+    q16, k16, v16 = (torch.randn(rows, dim, generator=gen).bfloat16()
+                     for rows in (ROWS, KEYS, KEYS))  # fmt: skip
+    q_t, v_t, p_t = amx_forward_operands(q16, v16, torch.zeros(ROWS, KEYS).bfloat16())
+    scores_t, acc_t = np.zeros((KEYS, ROWS), np.float32), np.zeros((dim, ROWS), np.float32)
+    qk_args, pv_args = amx_forward_views(bits(k16), q_t, v_t, p_t, scores_t, acc_t)
     reps = max(1, int(1e9 / (4 * ROWS * KEYS * dim)))
-    tiles = ROWS // 16
-    score_args = ((q, 0, dim), (panels, 0, 32, dim * 16), (scores, 0, KEYS), tiles, KEYS // 16,
-                  dim // 32, False)  # fmt: skip
-    qk = median_seconds(repeated(repeat_amx, *score_args), reps, rounds)
+    qk = median_seconds(repeated(repeat_amx, *qk_args), reps, rounds)
     factor = np.float32(dim**-0.5 * LOG2E)
+    stats = [np.zeros(ROWS, np.float32) for _ in range(3)]
     softmax = median_seconds(
-        repeated(repeat_softmax_to_bf16, scores, factor, p16, acc, *stats), reps, rounds
+        repeated(repeat_transposed_softmax, scores_t, factor, p_t, acc_t, *stats), reps, rounds
     )
-    value_args = ((p16, 0, KEYS), (v_pairs, 0, 2 * dim, 32), (acc, 0, dim), tiles, dim // 16,
-                  KEYS // 32, True)  # fmt: skip
-    pv = median_seconds(repeated(repeat_amx, *value_args), reps, rounds)
-    return {"QK^T": qk, "online softmax": softmax, "PV": pv}
+    pv = median_seconds(repeated(repeat_amx, *pv_args), reps, rounds)
+    return {"S^T = K Q^T": qk, "online softmax": softmax, "O^T += V^T P^T": pv}
 
 
 def main():

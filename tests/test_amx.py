@@ -13,7 +13,13 @@ from attnperf.testing import assert_agrees, float64_reference, same_precision_re
 pytest.importorskip("numba")
 from attnperf.kernels.numba import attention, microkernels
 from attnperf.kernels.numba.amx import amx_product
-from attnperf.kernels.numba.microkernels import pack_key_panels, pack_vnni
+from attnperf.kernels.numba.jit import njit
+from attnperf.kernels.numba.microkernels import (
+    column_maxima,
+    exp2_pairs_to_bf16,
+    pack_key_panels,
+    pack_vnni,
+)
 
 if dispatch.registry()["numba"].unavailable_reason():
     pytest.skip(dispatch.registry()["numba"].unavailable_reason(), allow_module_level=True)
@@ -80,6 +86,9 @@ CASES = {
     },
     "float mask": {"shape": (1, 2, 97, 32), "keys": 530, "mask": True},
     "short": {"shape": (3, 2, 17, 64), "keys": 33},
+    # Keys and values whose E is not of unit stride: every key tile copied, 16 keys a time,
+    # the values transposed element by element.
+    "strided keys and values": {"shape": (1, 2, 40, 32), "keys": 70, "strided": True},
     # A last key tile ending at 16 keys past a step of 32, with keys after it: P's padded
     # columns must be zeros, not the wider tile's probabilities before them.
     "causal bottom-right": {
@@ -102,6 +111,10 @@ def test_bf16_forward_on_amx_keeps_the_2x_rule(case, monkeypatch):
     q = torch.randn(batch, heads, length, dim, generator=gen).bfloat16()
     k, v = (torch.randn(batch, kv_heads, spec["keys"], dim, generator=gen).bfloat16() * 2
             for _ in range(2))  # fmt: skip
+    if spec.get("strided"):
+        k, v = (torch.stack((x, torch.zeros_like(x)), dim=-1).flatten(-2)[..., ::2]
+                for x in (k, v))  # fmt: skip
+        assert k.stride(-1) == 2
     call = {"query": q, "key": k, "value": v, "is_causal": spec.get("is_causal", False),
             "enable_gqa": kv_heads != heads}  # fmt: skip
     if "align" in spec:
@@ -114,6 +127,60 @@ def test_bf16_forward_on_amx_keeps_the_2x_rule(case, monkeypatch):
     off_amx = forward_agrees(call, False, monkeypatch)
     # The two routes round the same P to bf16: they differ by the products' order alone.
     assert (on_amx.float() - off_amx.float()).abs().max() <= 0.02
+
+
+@njit()
+def _exp2_pairs(s_t, shift, factor, p_t, total):
+    for d in range(s_t.shape[0] // 2):
+        for r in range(0, s_t.shape[1], 16):
+            exp2_pairs_to_bf16(s_t, 2 * d * s_t.shape[1] + r, s_t.shape[1], shift, r, factor, p_t,
+                               2 * d * s_t.shape[1] + 2 * r, total)  # fmt: skip
+
+
+def test_exp2_pairs_round_to_bf16_pairs_and_sum_in_fp32():
+    """p = 2 ** (factor s - shift) within bf16's rounding of float64's, interleaved by key
+    pairs; the sums near fp32's; -inf and scores far below the shift exactly 0; NaN stays."""
+    gen = torch.Generator().manual_seed(6)
+    s_t = (torch.randn(6, 32, generator=gen) * 40).numpy()
+    s_t[0, :4] = (-np.inf, np.nan, -1e30, 10.0)
+    s_t[:, 8] = -np.inf  # a row that sees no key adds exactly nothing
+    shift = (torch.randn(32, generator=gen) * 3).numpy()
+    shift[3] = 5.0  # the row's max: its score gives 2 ** 0
+    factor = np.float32(0.5)
+    p_t, total = np.zeros((3, 64), np.uint16), np.full(32, 0.5, np.float32)
+    _exp2_pairs(s_t, shift, factor, p_t, total)
+    exact = np.exp2(np.float64(factor) * s_t.astype(np.float64) - shift.astype(np.float64))
+    got = torch.from_numpy(p_t.astype(np.int32) << 16).view(torch.float32).numpy()
+    got = got.reshape(3, 32, 2).transpose(0, 2, 1).reshape(6, 32)  # pairs back to keys
+    assert got[0, 0] == 0 and np.isnan(got[0, 1]) and got[0, 2] == 0 and got[0, 3] == 1
+    finite = np.isfinite(exact)
+    finite[0, :4] = False
+    assert np.all(np.abs(got[finite] - exact[finite]) <= 2.0**-8 * exact[finite] + 2.0**-126)
+    sums = 0.5 + np.nansum(exact, axis=0)
+    assert np.isnan(total[1]) and total[8] == 0.5
+    rest = [r for r in range(32) if r != 1]
+    assert np.allclose(total[rest], sums[rest], rtol=1e-5, atol=0)
+
+
+@njit()
+def _column_maxima(s_t, cols, largest):
+    for r in range(0, s_t.shape[1], 16):
+        column_maxima(s_t, cols, r, largest)
+
+
+@pytest.mark.parametrize("cols", [0, 1, 7, 8, 9, 23])
+def test_column_maxima_pass_over_nan_and_keep_earlier_maxima(cols):
+    gen = torch.Generator().manual_seed(7)
+    s_t = (torch.randn(25, 48, generator=gen) * 10).numpy()
+    s_t[:, 5] = np.nan
+    s_t[: cols // 2, 6] = np.nan
+    s_t[:, 7] = -np.inf
+    largest = np.full(48, -np.inf, np.float32)
+    largest[9] = 100.0  # a maximum from an earlier key tile stays
+    _column_maxima(s_t, cols, largest)
+    expected = np.fmax(np.nanmax(np.vstack([s_t[:cols], np.full((1, 48), -np.inf)]), axis=0),
+                       np.where(np.arange(48) == 9, 100.0, -np.inf)).astype(np.float32)  # fmt: skip
+    assert np.array_equal(largest, expected)
 
 
 def results_and_gradients(run, call):

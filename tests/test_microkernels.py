@@ -23,6 +23,7 @@ from attnperf.kernels.numba.microkernels import (
     pack_vnni,
     scores_by_dots,
     tile_product,
+    transpose_bf16,
 )
 
 if dispatch.registry()["numba"].unavailable_reason():
@@ -198,6 +199,21 @@ def test_pack_vnni_pairs_rows_and_never_reads_past_them(depth):
     wide = np.zeros((8, 3), np.uint16)
     wide[:depth] = rows[:depth]
     assert np.array_equal(pairs, wide.reshape(4, 2, 3).transpose(0, 2, 1).reshape(4, 6))
+
+
+@pytest.mark.parametrize("keys", [1, 15, 16, 17, 100])
+@pytest.mark.parametrize("dim", [2, 32, 66])
+def test_transpose_bf16_transposes_and_zeros_past_the_rows(keys, dim):
+    """In registers (pairs of unit stride) and element by element (a strided view); dst's
+    columns past the rows zeros, whatever they held."""
+    rows = np.arange(keys * 2 * dim, dtype=np.uint16).reshape(keys, 2 * dim) + 1
+    for src in (rows[:, :dim], rows[:, ::2]):
+        expected = np.zeros((dim, keys + 20), np.uint16)
+        expected[:, :keys] = src.T
+        dst = np.full(expected.shape, 7, np.uint16)
+        pairs_t = np.zeros((dim // 2, 2 * (-(-keys // 16) * 16)), np.uint16)
+        transpose_bf16(src, dst, pairs_t)
+        assert np.array_equal(dst, expected)
 
 
 def test_route_follows_numba_target(monkeypatch):

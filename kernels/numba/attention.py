@@ -19,7 +19,13 @@ from attnperf.kernels.numba.amx import (
     whole_tiles,
     zero_to_step,
 )
-from attnperf.kernels.numba.fastmath import LOG2E, exp2, exp2_for_bf16, exp2_shifted, row_maximum
+from attnperf.kernels.numba.fastmath import (
+    LOG2E,
+    exp2,
+    exp2_for_bf16,
+    exp2_shifted,
+    row_maximum,
+)
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index, wide_vectors
 from attnperf.kernels.numba.launch import (
     any_layout,
@@ -37,11 +43,15 @@ from attnperf.kernels.numba.microkernels import (
     LANES,
     ONE,
     ZERO,
+    column_maxima,
+    exp2_pairs_to_bf16,
     pack_key_panels,
     pack_vnni,
     tile_product,
     tile_route,
     to_bf16,
+    transpose_bf16,
+    transpose_block,
 )
 from attnperf.kernels.numba.tiles import OWN_TILES, product, tiles_flag
 from attnperf.kernels.numba.variant import (
@@ -52,6 +62,7 @@ from attnperf.kernels.numba.variant import (
     lower_variant,
     modifies_scores,
     modify_scores,
+    modify_transposed_scores,
     query_range,
     sequence,
     tile_structure,
@@ -107,6 +118,19 @@ def online_softmax_tiles(
         product(s[:, :cols], v[j0 : j0 + cols], acc, 1.0, 1.0, False, False, variant[13])
 
 
+@njit()
+def query_tile(variant, q_heads, block_m, item):
+    """(b, h, slot, q0, i0, rows, k0, kv_len) of work item (sequence, query head, query
+    tile) of the forward: the sequence's table row (its first query and key rows q0, k0 of
+    batch entry `slot`), the tile's first row i0 within it and its rows (<= 0 past the
+    sequence's end)."""
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
+    b, h, tile = split_index(item, q_heads, q_tiles)
+    slot, q0, q_len, k0, kv_len = sequence(variant, b)
+    i0 = tile * block_m
+    return b, h, slot, q0, i0, min(block_m, q_len - i0), k0, kv_len
+
+
 @njit(fastmath=FASTMATH)
 def softmax_state(rows, block_n, value_dim):
     """A query tile's online-softmax state: the score tile, the unnormalised accumulator
@@ -129,9 +153,10 @@ def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
         # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
         row_max, total, inv = with_sink(variant, h, shift[r], row_sum[r])
         out_row = out[slot, h, first + r]
-        if bf16:
+        if bf16:  # in float32: a float64 product took 2.5 us of a 128 x 64 tile's rows
+            inv32 = np.float32(inv)
             for e in range(acc.shape[1]):
-                out_row[e] = to_bf16(acc[r, e] * inv)
+                out_row[e] = to_bf16(acc[r, e] * inv32)
         else:
             for e in range(acc.shape[1]):
                 out_row[e] = acc[r, e] * inv
@@ -149,10 +174,7 @@ def online_softmax_forward(q_any, k_any, v_any, variant, scale, out, stats, bloc
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     scale2 = scale * LOG2E
     for item in prange(variant[4].shape[0] * q_heads * q_tiles):
-        b, h, tile = split_index(item, q_heads, q_tiles)
-        slot, q0, q_len, k0, kv_len = sequence(variant, b)
-        i0 = tile * block_m
-        rows = min(block_m, q_len - i0)
+        b, h, slot, q0, i0, rows, k0, kv_len = query_tile(variant, q_heads, block_m, item)
         if rows <= 0:  # past this sequence's end
             continue
         s, acc, row_max, row_sum, shift = softmax_state(rows, block_n, value_dim)
@@ -286,57 +308,27 @@ def online_softmax_to_bf16(s, factor, p16, rows, cols, acc, row_max, row_sum, sh
 
 
 @njit(fastmath=FASTMATH)
-def amx_add_values(p16, rows, cols, value_pairs, b, hk, j0, acc):
-    """acc += P V on AMX tiles: P rounded to bf16 in p16[:rows, :cols] (whole tiles of
-    rows; its columns padded here with zeros to steps of 32 keys) against the values of keys
-    j0.. in pairs (`pack_vnni`, zeros past the last key)."""
-    steps = zero_to_step(p16, rows, cols)
-    amx_product((p16, 0, p16.shape[1]), pairs_view(value_pairs, b, hk, j0), (acc, 0, acc.shape[1]),
-                p16.shape[0] // TILE_ROWS, acc.shape[1] // TILE_ROWS, steps, True)  # fmt: skip
-
-
-@njit(fastmath=FASTMATH)
 def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                      block_n, amx, item):  # fmt: skip
+                      block_n, item):  # fmt: skip
     """Item (sequence, query head, query tile) of `packed_forward`."""
     wide_vectors()
     bf16 = value_pairs.shape[0] > 0
     q_heads, kv_heads, value_dim = q.shape[1], key_panels.shape[1], v.shape[3]
     group = q_heads // kv_heads
-    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     scale2 = np.float32(scale * LOG2E)
     depth = key_panels.shape[3]
-    b, h, tile = split_index(item, q_heads, q_tiles)
-    slot, q0, q_len, k0, kv_len = sequence(variant, b)
-    i0 = tile * block_m
-    rows = min(block_m, q_len - i0)
+    b, h, slot, q0, i0, rows, k0, kv_len = query_tile(variant, q_heads, block_m, item)
     if rows <= 0:  # past this sequence's end
         return
-    # The score tile as wide as the keys need (whole vectors): a short call's 64 keys would
-    # otherwise allocate, and fault in, 512 columns per item.
-    width = min(block_n, (kv_len + LANES - 1) // LANES * LANES)
-    # On AMX the tiles' rows are whole sixteens (P's extra rows zeros), P's columns whole
-    # steps of 32 keys.
-    tile_rows = whole_tiles(rows) if amx else rows
-    p16_width = depth_steps(width) * 2 * TILE_PAIRS if amx else width + 1
-    s, acc, row_max, row_sum, shift = softmax_state(tile_rows, width, value_dim)
-    p16 = aligned_empty(tile_rows, p16_width if bf16 else 0, np.empty(0, np.uint16))
-    p16[rows:] = 0
+    width = key_tile_width(kv_len, block_n)
+    s, acc, row_max, row_sum, shift = softmax_state(rows, width, value_dim)
+    p16_width = width + 1
+    p16 = aligned_empty(rows, p16_width if bf16 else 0, np.empty(0, np.uint16))
     hk = h // group
     q_view = rows_view(q, slot, h, q0 + i0)
     acc_view = (acc, 0, value_dim)
     no_dtanh = np.empty((0, 0), np.float32)
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-        if amx:  # the scale goes into the softmax's pass, where no variant changes scores
-            amx_scores(q, slot, h, q0 + i0, rows, key_panels, b, hk, j0, s, cols)
-            factor = scale2
-            if scale2 <= 0 or modifies_scores(variant, structure):
-                scale_scores(s, rows, cols, scale2)
-                modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
-                factor = ONE
-            online_softmax_to_bf16(s, factor, p16, rows, cols, acc, row_max, row_sum, shift)
-            amx_add_values(p16, rows, cols, value_pairs, b, hk, j0, acc)
-            continue
         keys_view = panels_view(key_panels, b, hk, j0)
         tile_product(depth, scale2, ZERO, q_view, keys_view, (s, 0, width), rows, cols)
         modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
@@ -355,12 +347,11 @@ def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats,
 
 @njit(parallel=True, fastmath=FASTMATH)
 def packed_forward(q_any, k_any, v_any, key_panels, value_pairs, variant, scale, out, stats,
-                   block_m, block_n, amx):  # fmt: skip
+                   block_m, block_n):  # fmt: skip
     """online_softmax_forward on our micro-kernels: each (sequence, kv head)'s keys (and
     bf16 values) packed once into key_panels (value_pairs), then every query tile over
     them. fp32 (q, k, v float32) or bf16 (q, k, v bf16 bits, values packed in pairs, P
-    rounded to bf16 before P V; E even). Scores, softmax and accumulation in fp32. `amx`:
-    bf16's products on AMX tiles (`amx_tiles`; value_pairs a step of 32 keys longer, zeros).
+    rounded to bf16 before P V; E even). Scores, softmax and accumulation in fp32.
 
     One call for both steps: a short call paid ~4 us of arguments per kernel call, and its
     packing ran on one thread to spare a second parallel region."""
@@ -372,12 +363,12 @@ def packed_forward(q_any, k_any, v_any, key_panels, value_pairs, variant, scale,
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     for item in prange(variant[4].shape[0] * q.shape[1] * q_tiles):
         packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                          block_n, amx, np.int64(item))  # fmt: skip
+                          block_n, np.int64(item))  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
 def packed_forward_serial(q_any, k_any, v_any, key_panels, value_pairs, variant, scale, out,
-                          stats, block_m, block_n, amx):  # fmt: skip
+                          stats, block_m, block_n):  # fmt: skip
     """packed_forward on the calling thread (one query tile: nothing to share)."""
     q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
     for item in range(variant[4].shape[0] * k.shape[1]):
@@ -385,7 +376,169 @@ def packed_forward_serial(q_any, k_any, v_any, key_panels, value_pairs, variant,
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     for item in range(variant[4].shape[0] * q.shape[1] * q_tiles):
         packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                          block_n, amx, item)  # fmt: skip
+                          block_n, item)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def key_tile_width(kv_len, block_n):
+    """A score tile's keys: as many as the sequence needs, in whole vectors, up to block_n
+    (a short call's 64 keys would otherwise allocate, and fault in, 512 columns per item)."""
+    return min(block_n, (kv_len + LANES - 1) // LANES * LANES)
+
+
+# ------------------------------------------------------------- the forward on AMX tiles
+# The scores transposed, S^T = K Q^T (keys by query rows): the softmax's maxima and sums
+# then run down the keys, a vector of 16 query rows at a time, where by rows each row
+# reduced its vectors across lanes and rescaled on its own (a 128 x 128 bf16 head's
+# softmax 4.2 us against 10.1, Intel with AMX, one thread). K is A as its rows lie, Q^T
+# (packed per query tile) B; then O^T += V^T P^T, with V^T packed once per kv head (0.8
+# us for 128 keys of E = 64, where the values' pairs took 3.3) and P^T written in B's
+# pairs by the softmax itself. O goes back to rows once, at the end of the query tile.
+
+
+@njit(fastmath=FASTMATH)
+def pack_transposed_values(v, variant, values_t, item):
+    """Item (sequence, kv head) of `amx_forward`'s packing: its values transposed into
+    values_t (NS, Hk, Ev, >= S + 32), zeros past the sequence's keys (a last step of 32
+    keys reads them)."""
+    b, hk, _ = split_index(item, v.shape[1], 1)
+    slot, _, _, k0, kv_len = sequence(variant, b)
+    pairs_t = aligned_empty(v.shape[3] // 2, 2 * whole_tiles(kv_len), v[0, 0])
+    transpose_bf16(v[slot, hk, k0 : k0 + kv_len], values_t[b, hk], pairs_t)
+
+
+@njit(fastmath=FASTMATH)
+def transposed_scores(k, slot, hk, j0, cols, q_view, s_t, tail):
+    """s_t[:whole_tiles(cols)] = K Q^T (unscaled) of keys k[slot, hk, j0 : j0 + cols]
+    against the query tile's Q^T (q_view, B's pairs), on AMX tiles: whole tiles of 16 keys
+    read where they lie (E of unit stride), the rest copied 16 at a time into `tail`
+    (16, E), zeros past the last key, so that no tile reads past the tensor."""
+    col_tiles, steps = s_t.shape[1] // TILE_ROWS, depth_steps(k.shape[3])
+    whole = cols // TILE_ROWS * TILE_ROWS if k.strides[3] == k.itemsize else 0
+    if whole > 0:
+        x, at, row_stride, _ = rows_view(k, slot, hk, j0)
+        amx_product((x, at, row_stride), q_view, (s_t, 0, s_t.shape[1]), whole // TILE_ROWS,
+                    col_tiles, steps, False)  # fmt: skip
+    for t in range(whole, cols, TILE_ROWS):
+        count = min(TILE_ROWS, cols - t)
+        for j in range(count):
+            key, row = k[slot, hk, j0 + t + j], tail[j]
+            for e in range(k.shape[3]):
+                row[e] = key[e]
+        tail[count:] = 0
+        amx_product((tail, 0, tail.shape[1]), q_view, (s_t, t * s_t.shape[1], s_t.shape[1]), 1,
+                    col_tiles, steps, False)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, shift, work):
+    """`online_softmax_to_bf16` of transposed scores: s_t[c, r] the score of key c and query
+    row r (all of s_t's rows; times factor > 0 here). P^T goes to p_t rounded to bf16 in
+    AMX's B pairs (p_t[d, 2 r + u] = P[r, 2 d + u]), zeros to the end of the last step of
+    32 keys; acc_t = O^T (Ev, rows) is rescaled. work: (3, rows) float32 scratch."""
+    wide_vectors()
+    rows = s_t.shape[1]
+    largest, alpha, total = work[0], work[1], work[2]
+    largest[:] = -np.inf
+    for r in range(0, rows, LANES):  # rows: whole sixteens
+        column_maxima(s_t, cols, r, largest)
+    for r in range(rows):
+        new_max = max(row_max[r], factor * largest[r])
+        # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
+        shift[r] = new_max if new_max != -np.inf else np.float32(0.0)
+        alpha[r] = exp2(row_max[r] - shift[r]) if row_max[r] != -np.inf else np.float32(0.0)
+        row_max[r] = new_max
+        total[r] = 0
+    pairs = p_t.view(np.uint32)
+    for d in range(cols // 2):
+        for r in range(0, rows, LANES):  # rows: whole sixteens
+            exp2_pairs_to_bf16(s_t, 2 * d * rows + r, rows, shift, r, factor, p_t,
+                               d * 2 * rows + 2 * r, total)  # fmt: skip
+    if cols % 2:
+        last, pair = s_t[cols - 1], pairs[cols // 2]
+        for r in range(rows):
+            p_last = exp2_for_bf16(last[r] * factor - shift[r])
+            total[r] += p_last
+            pair[r] = np.uint32(to_bf16(p_last))
+    pairs[(cols + 1) // 2 :] = 0
+    for r in range(rows):
+        row_sum[r] = row_sum[r] * alpha[r] + total[r]
+    for e in range(acc_t.shape[0]):
+        acc_row = acc_t[e]
+        for r in range(rows):
+            acc_row[r] *= alpha[r]
+
+
+@njit(fastmath=FASTMATH)
+def amx_query_tile(q, k, values_t, variant, scale, out, stats, block_m, block_n, item):
+    """Item (sequence, query head, query tile) of `amx_forward`."""
+    wide_vectors()
+    q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], values_t.shape[2]
+    scale2 = np.float32(scale * LOG2E)
+    b, h, slot, q0, i0, rows, k0, kv_len = query_tile(variant, q_heads, block_m, item)
+    if rows <= 0:  # past this sequence's end
+        return
+    hk = h // (q_heads // kv_heads)
+    tile_rows, width = whole_tiles(rows), key_tile_width(kv_len, block_n)
+    f32, u16 = np.empty(0, np.float32), np.empty(0, np.uint16)
+    depth = q.shape[3] // 2
+    q_t = aligned_empty(tile_rows // TILE_ROWS, depth * 2 * TILE_PAIRS, u16)
+    q_t = q_t.reshape((tile_rows // TILE_ROWS, depth, 2 * TILE_PAIRS))
+    pack_key_panels(q[slot, h, q0 + i0 : q0 + i0 + rows], q_t)  # zero rows to a whole tile
+    q_view = (q_t, 0, 2 * TILE_PAIRS, depth * 2 * TILE_PAIRS)
+    s_t = aligned_empty(whole_tiles(width), tile_rows, f32)
+    p_t = aligned_empty(depth_steps(width) * TILE_PAIRS, 2 * tile_rows, u16)
+    p_view = (p_t, 0, 2 * tile_rows, 2 * TILE_PAIRS)
+    acc_t = aligned_empty(value_dim, tile_rows, f32)
+    acc_t[:] = 0
+    row_max = np.full(tile_rows, -np.inf, np.float32)
+    row_sum, shift = np.zeros(tile_rows, np.float32), np.zeros(tile_rows, np.float32)
+    work = np.empty((3, tile_rows), np.float32)
+    tail = aligned_empty(TILE_ROWS, q.shape[3], u16)
+    values = values_t[b, hk]
+    for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+        transposed_scores(k, slot, hk, k0 + j0, cols, q_view, s_t, tail)
+        factor = scale2  # the scale goes into the softmax's pass where no variant changes scores
+        if scale2 <= 0 or modifies_scores(variant, structure):
+            scale_scores(s_t, cols, tile_rows, scale2)
+            modify_transposed_scores(s_t, variant, b, h, i0, j0, rows, cols, structure)
+            factor = ONE
+        transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, shift, work)
+        value_tile = (values, j0, values.shape[1])
+        amx_product(value_tile, p_view, (acc_t, 0, tile_rows), value_dim // TILE_ROWS,
+                    tile_rows // TILE_ROWS, depth_steps(cols), True)  # fmt: skip
+    acc = aligned_empty(tile_rows, value_dim, f32)
+    for e0 in range(0, value_dim, LANES):
+        for r0 in range(0, tile_rows, LANES):
+            transpose_block((acc_t, e0 * tile_rows + r0, tile_rows), LANES, LANES,
+                            (acc, r0 * value_dim + e0, value_dim))  # fmt: skip
+    finish_rows(variant, slot, h, q0 + i0, acc[:rows], row_sum, shift, out, stats)
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def amx_forward(q_any, k_any, v_any, values_t, variant, scale, out, stats, block_m, block_n):
+    """`packed_forward` for bf16 on AMX tiles (E and Ev multiples of 32), the scores
+    transposed: each (sequence, kv head)'s values transposed once
+    (`pack_transposed_values`), then every query tile over them."""
+    q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
+    for item in prange(variant[4].shape[0] * k.shape[1]):
+        pack_transposed_values(v, variant, values_t, np.int64(item))
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
+    for item in prange(variant[4].shape[0] * q.shape[1] * q_tiles):
+        amx_query_tile(q, k, values_t, variant, scale, out, stats, block_m, block_n,
+                       np.int64(item))  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def amx_forward_serial(q_any, k_any, v_any, values_t, variant, scale, out, stats, block_m,
+                       block_n):  # fmt: skip
+    """amx_forward on the calling thread (one query tile: nothing to share)."""
+    q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
+    for item in range(variant[4].shape[0] * k.shape[1]):
+        pack_transposed_values(v, variant, values_t, item)
+    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
+    for item in range(variant[4].shape[0] * q.shape[1] * q_tiles):
+        amx_query_tile(q, k, values_t, variant, scale, out, stats, block_m, block_n, item)
 
 
 @njit(fastmath=FASTMATH)
@@ -963,16 +1116,20 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
             )  # fmt: skip
         else:
             block_m, block_n = short_call_tiles(inputs, variant)
-            amx = kind == BF16 and amx_tiles(inputs)
-            key_panels, value_pairs = packing_buffers(k, v, variant, kind, amx)
-            args = (*map(any_layout, (q, k, v)), key_panels, value_pairs, variant, inputs.scale,
-                    out_array, stats_array, block_m, block_n, amx)  # fmt: skip
+            if kind == BF16 and amx_tiles(inputs):
+                packed = transposed_values(v, variant)
+                serial, parallel = amx_forward_serial, amx_forward
+            else:
+                packed = packing_buffers(k, v, variant, kind)
+                serial, parallel = packed_forward_serial, packed_forward
+            args = (*map(any_layout, (q, k, v)), *packed, variant, inputs.scale, out_array,
+                    stats_array, block_m, block_n)  # fmt: skip
             # On the threads wherever there are two query tiles to share: H = 2, L = 64
             # (2 MFLOP) took 23 us there against 35 us serially.
             if query_tiles(inputs, variant, block_m) < 2:
-                packed_forward_serial(*args)
+                serial(*args)
             else:
-                run_parallel(packed_forward, *args)
+                run_parallel(parallel, *args)
     if out.shape[3] != inputs.value_dim:  # a bf16 call of odd E ran on a zero column more
         out = out[..., : inputs.value_dim].contiguous()
     return out.to(inputs.dtype), stats
@@ -1027,9 +1184,8 @@ def operands(inputs: AttentionInputs, kind: int | None) -> tuple[np.ndarray, ...
     return as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
 
 
-def packing_buffers(k, v, variant, kind, amx) -> tuple[np.ndarray, np.ndarray]:
-    """The arrays `packed_forward` packs keys into, in panels, and (bf16) values, in pairs
-    (on AMX tiles 32 keys more, zeros: a key tile's last step of 32 keys reads past it)."""
+def packing_buffers(k, v, variant, kind) -> tuple[np.ndarray, np.ndarray]:
+    """The arrays `packed_forward` packs keys into, in panels, and (bf16) values, in pairs."""
     count, kv_heads, dim = variant[4].shape[0], k.shape[1], k.shape[3]
     width = LANES * (1 if kind == FP32 else 2)
     depth = dim if kind == FP32 else (dim + 1) // 2
@@ -1037,10 +1193,17 @@ def packing_buffers(k, v, variant, kind, amx) -> tuple[np.ndarray, np.ndarray]:
     panels = (longest_keys + LANES - 1) // LANES
     dtype = np.float32 if kind == FP32 else np.uint16
     key_panels = scratch("key panels", (count, kv_heads, panels, depth, width), dtype)
-    pairs = (longest_keys + 1) // 2 + (TILE_PAIRS if amx else 0)
-    pairs_shape = (count, kv_heads, pairs, 2 * v.shape[3])
+    pairs_shape = (count, kv_heads, (longest_keys + 1) // 2, 2 * v.shape[3])
     value_pairs = scratch("value pairs", pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
     return key_panels, value_pairs
+
+
+def transposed_values(v, variant) -> tuple[np.ndarray]:
+    """The array `amx_forward` packs values transposed into: a step of 32 keys past the
+    last key reads zeros there."""
+    count, kv_heads, keys = variant[4].shape[0], v.shape[1], longest_in_table(variant, 4)
+    columns = -(-keys // (2 * TILE_PAIRS)) * 2 * TILE_PAIRS + 2 * TILE_PAIRS
+    return (scratch("values^T", (count, kv_heads, v.shape[3], columns), np.uint16),)
 
 
 def tile_sizes(inputs: AttentionInputs, backward: bool = False) -> tuple[int, int]:

@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from attnperf.kernels.numba.amx import AMX_PEAK_FLOPS_PER_ROUND, amx_peak_loop, amx_permitted
+from attnperf.kernels.numba.fastmath import EXP2_BF16_COEFFS
 from attnperf.kernels.numba.jit import (
     FASTMATH,
     cgutils,
@@ -45,6 +46,7 @@ from attnperf.kernels.numba.jit import (
     llvm_binding,
     njit,
     types,
+    wide_vectors,
 )
 
 LANES = 16
@@ -658,6 +660,127 @@ def to_bf16(typingctx, x):
     return sig, codegen
 
 
+MAXIMA_CHAINS = 8  # independent vmaxps chains: the latency of two pipes covered
+
+
+@intrinsic
+def column_maxima(typingctx, s_t, cols, row, largest):
+    """largest[row : row + 16] = max(largest there, the maxima of s_t[:cols, row : row +
+    16]) (float32, C rows), NaN scores passed over (their exp2 makes the row NaN): one
+    load and one vmaxps a vector, on 8 chains held in registers (the loop LLVM vectorises
+    kept its maxima in memory: 3.5 us of a 512 x 128 tile against ~1.2). AVX-512F."""
+    sig = types.void(s_t, types.intp, types.intp, largest)
+    served = s_t.dtype == types.float32 and s_t.ndim == 2 and s_t.layout == "C"
+
+    def codegen(context, builder, signature, args):
+        if not served or "avx512f" not in target_features():
+            builder.call(_function(builder, "llvm.trap", ir.VoidType(), []), [])
+            return context.get_dummy_value()
+        s_t, cols, row, largest = args
+        f32x16 = ir.VectorType(ir.FloatType(), LANES)
+        scores = context.make_array(signature.args[0])(context, builder, s_t)
+        stride = cgutils.unpack_tuple(builder, scores.shape)[1]  # elements a key
+        origin = builder.gep(scores.data, [row])
+        maxima_data = context.make_array(signature.args[3])(context, builder, largest).data
+        maxima_at = builder.bitcast(builder.gep(maxima_data, [row]), f32x16.as_pointer())
+
+        def key_vector(key):
+            at = builder.gep(origin, [builder.mul(key, stride)])
+            return builder.load(builder.bitcast(at, f32x16.as_pointer()), align=4)
+
+        def larger(score, maximum):  # vmaxps(score, maximum): a NaN score gives maximum
+            return builder.select(builder.fcmp_ordered(">", score, maximum), score, maximum)
+
+        chains = [cgutils.alloca_once_value(builder, ir.Constant(f32x16, [float("-inf")] * LANES))
+                  for _ in range(MAXIMA_CHAINS)]  # fmt: skip
+        step = ir.Constant(cols.type, MAXIMA_CHAINS)
+        whole = builder.mul(builder.sdiv(cols, step), step)
+        with cgutils.for_range_slice(builder, ir.Constant(cols.type, 0), whole, step) as (key, _):
+            for k, chain in enumerate(chains):
+                vector = key_vector(builder.add(key, ir.Constant(cols.type, k)))
+                builder.store(larger(vector, builder.load(chain)), chain)
+        with cgutils.for_range_slice(builder, whole, cols, ir.Constant(cols.type, 1)) as (key, _):
+            builder.store(larger(key_vector(key), builder.load(chains[0])), chains[0])
+        maxima = [builder.load(chain) for chain in chains] + [builder.load(maxima_at, align=4)]
+        while len(maxima) > 1:
+            maxima = [larger(*maxima[i : i + 2]) if i + 1 < len(maxima) else maxima[i]
+                      for i in range(0, len(maxima), 2)]  # fmt: skip
+        builder.store(maxima[0], maxima_at, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# Scores under 2**-160 give exactly 0 after vscalefps (p <= 2**0.5 times 2**-160 rounds
+# to zero), and a masked -inf score no NaN (its polynomial takes -160).
+EXP2_FLOOR = -160.0
+
+
+@intrinsic
+def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at, total):
+    """Softmax probabilities of 16 query rows for two keys, explicitly on 16-lane vectors:
+    p = 2 ** (factor s - shift[row : row + 16]) for the key scores s_t[at : at + 16] and
+    s_t[at + stride : ...] (float32, flat offsets in elements), total[row : row + 16] += both,
+    and both rounded to bf16 into p_t[p_at : p_at + 32] interleaved (AMX's B pairs: row r's
+    two keys side by side). `exp2_for_bf16`'s polynomial, with 2 ** n applied by vscalefps
+    and the pair rounded by one vcvtne2ps2bf16: 12 vector ops a key where the loop LLVM
+    vectorises takes 17. Needs AVX-512F and AVX512-BF16 (the AMX route's CPUs)."""
+    sig = types.void(s_t, types.intp, types.intp, shift, types.intp, types.float32, p_t,
+                     types.intp, total)  # fmt: skip
+    served = s_t.dtype == types.float32 and p_t.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        if not served or not {"avx512f", "avx512bf16"} <= target_features():
+            builder.call(_function(builder, "llvm.trap", ir.VoidType(), []), [])
+            return context.get_dummy_value()
+        s_t, at, stride, shift, row, factor, p_t, p_at, total = args
+        f32x16 = ir.VectorType(ir.FloatType(), LANES)
+        i16x32 = ir.VectorType(ir.IntType(16), 2 * LANES)
+
+        def vector_at(array_type, array, offset, vector_type):
+            data = context.make_array(array_type)(context, builder, array).data
+            return builder.bitcast(builder.gep(data, [offset]), vector_type.as_pointer())
+
+        types_ = signature.args
+        fma = _function(builder, "llvm.fma.v16f32", f32x16, [f32x16] * 3)
+        rint = _function(builder, "llvm.rint.v16f32", f32x16, [f32x16])
+        scalef = _function(builder, "llvm.x86.avx512.mask.scalef.ps.512", f32x16,
+                           [f32x16, f32x16, f32x16, ir.IntType(16), ir.IntType(32)])  # fmt: skip
+        to_pairs = _function(builder, "llvm.x86.avx512bf16.cvtne2ps2bf16.512",
+                             ir.VectorType(_BFloat(), 2 * LANES), [f32x16, f32x16])  # fmt: skip
+        minus_shift = builder.fneg(builder.load(vector_at(types_[3], shift, row, f32x16), align=4))
+        factors = _splat(builder, factor, f32x16)
+        floor = ir.Constant(f32x16, [EXP2_FLOOR] * LANES)
+        coefficients = [ir.Constant(f32x16, [float(c)] * LANES) for c in EXP2_BF16_COEFFS]
+        probabilities = []
+        for offset in (at, builder.add(at, stride)):
+            scores = builder.load(vector_at(types_[0], s_t, offset, f32x16), align=4)
+            t = builder.call(fma, [scores, factors, minus_shift])
+            # A select on an ordered compare (one vmaxps): NaN goes on, into the polynomial.
+            t = builder.select(builder.fcmp_ordered("<", t, floor), floor, t)
+            n = builder.call(rint, [t])
+            f = builder.fsub(t, n)
+            p = coefficients[-1]
+            for c in reversed(coefficients[:-1]):
+                p = builder.call(fma, [p, f, c])
+            every_lane = ir.Constant(ir.IntType(16), -1)
+            current_rounding = ir.Constant(ir.IntType(32), 4)
+            probabilities.append(builder.call(scalef, [p, n, p, every_lane, current_rounding]))
+        even, odd = probabilities
+        sums = vector_at(types_[8], total, row, f32x16)
+        builder.store(builder.fadd(builder.load(sums, align=4), builder.fadd(even, odd)), sums,
+                      align=4)  # fmt: skip
+        halves = builder.bitcast(builder.call(to_pairs, [odd, even]), i16x32)  # even's low
+        interleave = [half * LANES + lane for lane in range(LANES) for half in (0, 1)]
+        pairs = builder.shuffle_vector(halves, ir.Constant(i16x32, ir.Undefined),
+                                       ir.Constant(ir.VectorType(ir.IntType(32), 2 * LANES),
+                                                   interleave))  # fmt: skip
+        builder.store(pairs, vector_at(types_[6], p_t, p_at, i16x32), align=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @intrinsic
 def transpose_block(typingctx, src_view, rows, cols, dst_view):
     """dst[d_offset + c d_stride + r] = src[s_offset + r s_stride + c] for r < 16 and c <
@@ -820,6 +943,38 @@ def pack_vnni(src, dst):
             else:
                 for j in range(cols):
                     dst[d, 2 * j + u] = 0
+
+
+@njit(fastmath=FASTMATH)
+def transpose_bf16(src, dst, pairs_t):
+    """dst[:cols, :rows] <- src (rows, cols) transposed, bf16 bits (cols even), zeros in
+    dst's columns past rows: 16 x 16 blocks of pairs transposed in registers into pairs_t
+    (>= cols / 2, >= 2 whole_tiles(rows), `transpose_block`), whose pairs' halves then go
+    to dst's even and odd rows. 0.8 us for 128 x 64 (one element at a time: 1.5)."""
+    wide_vectors()
+    rows, cols = src.shape
+    pairs = cols // 2
+    if src.strides[1] != src.itemsize:
+        for e in range(cols):
+            for j in range(rows):
+                dst[e, j] = src[j, e]
+        dst[:cols, rows:] = 0
+        return
+    row_stride = src.strides[0] // src.itemsize
+    for p in range(0, rows, LANES):
+        for d0 in range(0, pairs, LANES):
+            transpose_block((src, p * row_stride + 2 * d0, row_stride), min(LANES, rows - p),
+                            min(LANES, pairs - d0), (pairs_t, d0 * pairs_t.shape[1] + 2 * p,
+                            pairs_t.shape[1]))  # fmt: skip
+    halves = pairs_t.view(np.uint32)
+    for d in range(pairs):  # a loop per half: both in one ran 6x slower (Intel, AVX-512)
+        pair_row, even = halves[d], dst[2 * d]
+        for j in range(rows):
+            even[j] = np.uint16(pair_row[j] & np.uint32(0xFFFF))
+        odd = dst[2 * d + 1]
+        for j in range(rows):
+            odd[j] = np.uint16(pair_row[j] >> np.uint32(16))
+    dst[:cols, rows:] = 0
 
 
 PEAK_ACCUMULATORS = 12  # independent chains: enough to cover the FMA latency of two pipes

@@ -130,30 +130,9 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
     With a softcap and `dtanh` of the tile's size, also dtanh <- 1 - tanh^2, the softcap's
     gradient factor for the backward.
     """
-    mask, mask_kind, left, right, sequences, softcap2, alibi2 = variant[:7]
-    offset = sequences[b, 5]
-    if softcap2 != 0:
-        inverse = np.float32(1.0) / softcap2
-        for r in range(rows):
-            s_row = s[r]
-            if dtanh.shape[0] >= rows:  # two loops, so that each vectorises
-                dtanh_row = dtanh[r]
-                for c in range(cols):
-                    t = tanh(s_row[c] * inverse)
-                    s_row[c] = softcap2 * t
-                    dtanh_row[c] = np.float32(1.0) - t * t
-            else:
-                for c in range(cols):
-                    s_row[c] = softcap2 * tanh(s_row[c] * inverse)
-    if mask_kind == MASK_FLOAT:
-        for r in range(rows):
-            for c in range(cols):
-                s[r, c] += base2_bias(mask[0, b, h, i0 + r, j0 + c])
-    elif mask_kind == MASK_BOOL:
-        for r in range(rows):
-            for c in range(cols):
-                if not mask[0, b, h, i0 + r, j0 + c]:
-                    s[r, c] += -np.inf  # like SDPA: a NaN score stays NaN
+    softcap_scores(s, rows, cols, variant[5], dtanh)
+    mask_scores(s, variant, b, h, i0, j0, rows, cols)
+    alibi2, offset = variant[6], variant[4][b, 5]
     if alibi2.shape[0] > 0:
         slope = alibi2[b, h]
         for r in range(rows):
@@ -163,12 +142,85 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
                 s_row[c] -= slope * abs(distance + c)
     if structure != MASKED:
         return
+    left, right = variant[2], variant[3]
     for r in range(rows):  # the band: key j for row i iff -left <= j - (i + offset) <= right
         distance = j0 - (i0 + r) - offset
         for c in range(0, min(max(-left - distance, 0), cols)):
             s[r, c] = -np.inf
         for c in range(max(right - distance + 1, 0), cols):
             s[r, c] = -np.inf
+    layout_scores(s, variant, b, h, i0, j0, rows, cols)
+
+
+@njit(fastmath=FASTMATH)
+def modify_transposed_scores(s_t, variant, b, h, i0, j0, rows, cols, structure):
+    """`modify_scores` (forward: no dtanh) of a tile held transposed, s_t[c, r] the score
+    of query row i0 + r and key j0 + c: the softcap, ALiBi and the band run down each key's
+    row of query rows, vectorised as `modify_scores`' rows are; an attn_mask and a block
+    layout through the transposed view (their reads are scattered either way)."""
+    softcap_scores(s_t, cols, rows, variant[5], np.empty((0, 0), np.float32))
+    s = s_t.T
+    mask_scores(s, variant, b, h, i0, j0, rows, cols)
+    alibi2, offset = variant[6], variant[4][b, 5]
+    if alibi2.shape[0] > 0:
+        slope = alibi2[b, h]
+        for c in range(cols):
+            distance = j0 + c - i0 - offset
+            s_row = s_t[c]
+            for r in range(rows):
+                s_row[r] -= slope * abs(distance - r)
+    if structure != MASKED:
+        return
+    left, right = variant[2], variant[3]
+    for c in range(cols):  # key j sees rows i with j - offset - right <= i <= j - offset + left
+        first = j0 + c - offset - right - i0
+        last = j0 + c - offset + left - i0
+        s_row = s_t[c]
+        for r in range(0, min(max(first, 0), rows)):
+            s_row[r] = -np.inf
+        for r in range(max(last + 1, 0), rows):
+            s_row[r] = -np.inf
+    layout_scores(s, variant, b, h, i0, j0, rows, cols)
+
+
+@njit(fastmath=FASTMATH)
+def softcap_scores(s, rows, cols, softcap2, dtanh):
+    """s[:rows, :cols] <- softcap2 tanh(s / softcap2) (nothing without a softcap), and
+    dtanh <- 1 - tanh^2 where dtanh has the rows."""
+    if softcap2 == 0:
+        return
+    inverse = np.float32(1.0) / softcap2
+    for r in range(rows):
+        s_row = s[r]
+        if dtanh.shape[0] >= rows:  # two loops, so that each vectorises
+            dtanh_row = dtanh[r]
+            for c in range(cols):
+                t = tanh(s_row[c] * inverse)
+                s_row[c] = softcap2 * t
+                dtanh_row[c] = np.float32(1.0) - t * t
+        else:
+            for c in range(cols):
+                s_row[c] = softcap2 * tanh(s_row[c] * inverse)
+
+
+@njit(fastmath=FASTMATH)
+def mask_scores(s, variant, b, h, i0, j0, rows, cols):
+    """The attn_mask added to a tile's scores (a bool mask's False as -inf)."""
+    mask, mask_kind = variant[0], variant[1]
+    if mask_kind == MASK_FLOAT:
+        for r in range(rows):
+            for c in range(cols):
+                s[r, c] += base2_bias(mask[0, b, h, i0 + r, j0 + c])
+    elif mask_kind == MASK_BOOL:
+        for r in range(rows):
+            for c in range(cols):
+                if not mask[0, b, h, i0 + r, j0 + c]:
+                    s[r, c] += -np.inf  # like SDPA: a NaN score stays NaN
+
+
+@njit(fastmath=FASTMATH)
+def layout_scores(s, variant, b, h, i0, j0, rows, cols):
+    """-inf where the block layout leaves a MASKED tile's scores out."""
     kinds, partial_index, partial, block_q, block_k = variant[7:12]
     if block_q == 0:
         return
