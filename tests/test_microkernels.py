@@ -24,6 +24,7 @@ from attnperf.kernels.numba.microkernels import (
     scores_by_dots,
     tile_product,
     transpose_bf16,
+    transpose_tile,
 )
 
 if dispatch.registry()["numba"].unavailable_reason():
@@ -214,6 +215,15 @@ def test_transpose_bf16_transposes_and_zeros_past_the_rows(keys, dim):
         pairs_t = np.zeros((dim // 2, 2 * (-(-keys // 16) * 16)), np.uint16)
         transpose_bf16(src, dst, pairs_t)
         assert np.array_equal(dst, expected)
+
+
+def test_transpose_tile_transposes_whole_sixteens_and_leaves_the_rest():
+    src = np.arange(32 * 50, dtype=np.float32).reshape(32, 50)
+    dst = np.full((50, 40), -1.0, np.float32)
+    transpose_tile(src, dst, 32, 48)
+    expected = np.full((50, 40), -1.0, np.float32)
+    expected[:48, :32] = src[:, :48].T
+    assert np.array_equal(dst, expected)
 
 
 def test_route_follows_numba_target(monkeypatch):

@@ -51,10 +51,11 @@ from attnperf.kernels.numba.microkernels import (
     tile_route,
     to_bf16,
     transpose_bf16,
-    transpose_block,
+    transpose_tile,
 )
 from attnperf.kernels.numba.tiles import OWN_TILES, product, tiles_flag
 from attnperf.kernels.numba.variant import (
+    MASK_NONE,
     SKIP,
     key_tiles,
     longest,
@@ -494,6 +495,8 @@ def amx_query_tile(q, k, values_t, variant, scale, out, stats, block_m, block_n,
     row_max = np.full(tile_rows, -np.inf, np.float32)
     row_sum, shift = np.zeros(tile_rows, np.float32), np.zeros(tile_rows, np.float32)
     work = np.empty((3, tile_rows), np.float32)
+    by_rows = variant[1] != MASK_NONE or variant[10] != 0  # modify_transposed_scores' s_rows
+    s_rows = aligned_empty(tile_rows if by_rows else 0, whole_tiles(width), f32)
     tail = aligned_empty(TILE_ROWS, q.shape[3], u16)
     values = values_t[b, hk]
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
@@ -501,17 +504,15 @@ def amx_query_tile(q, k, values_t, variant, scale, out, stats, block_m, block_n,
         factor = scale2  # the scale goes into the softmax's pass where no variant changes scores
         if scale2 <= 0 or modifies_scores(variant, structure):
             scale_scores(s_t, cols, tile_rows, scale2)
-            modify_transposed_scores(s_t, variant, b, h, i0, j0, rows, cols, structure)
+            modify_transposed_scores(s_t, s_rows, variant, b, h, i0, j0, rows, cols,
+                                     structure)  # fmt: skip
             factor = ONE
         transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, shift, work)
         value_tile = (values, j0, values.shape[1])
         amx_product(value_tile, p_view, (acc_t, 0, tile_rows), value_dim // TILE_ROWS,
                     tile_rows // TILE_ROWS, depth_steps(cols), True)  # fmt: skip
     acc = aligned_empty(tile_rows, value_dim, f32)
-    for e0 in range(0, value_dim, LANES):
-        for r0 in range(0, tile_rows, LANES):
-            transpose_block((acc_t, e0 * tile_rows + r0, tile_rows), LANES, LANES,
-                            (acc, r0 * value_dim + e0, value_dim))  # fmt: skip
+    transpose_tile(acc_t, acc, value_dim, tile_rows)
     finish_rows(variant, slot, h, q0 + i0, acc[:rows], row_sum, shift, out, stats)
 
 

@@ -711,9 +711,11 @@ def column_maxima(typingctx, s_t, cols, row, largest):
     return sig, codegen
 
 
-# Scores under 2**-160 give exactly 0 after vscalefps (p <= 2**0.5 times 2**-160 rounds
-# to zero), and a masked -inf score no NaN (its polynomial takes -160).
-EXP2_FLOOR = -160.0
+# The smallest exponent whose 2**t vscalefps gives: p >= 2**-0.5 times 2**-125 is a normal
+# float; below it the result is 0 (as `exp2`'s flush below 2**-126.5). A result that
+# underflowed into subnormals or to zero cost a microcode assist each: a causal tile's
+# masked scores made its softmax ~4x slower (Intel, AMX).
+EXP2_FLOOR = -125.0
 
 
 @intrinsic
@@ -723,8 +725,9 @@ def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at
     s_t[at + stride : ...] (float32, flat offsets in elements), total[row : row + 16] += both,
     and both rounded to bf16 into p_t[p_at : p_at + 32] interleaved (AMX's B pairs: row r's
     two keys side by side). `exp2_for_bf16`'s polynomial, with 2 ** n applied by vscalefps
-    and the pair rounded by one vcvtne2ps2bf16: 12 vector ops a key where the loop LLVM
-    vectorises takes 17. Needs AVX-512F and AVX512-BF16 (the AMX route's CPUs)."""
+    and the pair rounded by one vcvtne2ps2bf16: 13 vector ops a key where the loop LLVM
+    vectorises takes 17; 0 below 2 ** EXP2_FLOOR. Needs AVX-512F and AVX512-BF16 (the AMX
+    route's CPUs)."""
     sig = types.void(s_t, types.intp, types.intp, shift, types.intp, types.float32, p_t,
                      types.intp, total)  # fmt: skip
     served = s_t.dtype == types.float32 and p_t.dtype == types.uint16
@@ -757,15 +760,17 @@ def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at
             scores = builder.load(vector_at(types_[0], s_t, offset, f32x16), align=4)
             t = builder.call(fma, [scores, factors, minus_shift])
             # A select on an ordered compare (one vmaxps): NaN goes on, into the polynomial.
-            t = builder.select(builder.fcmp_ordered("<", t, floor), floor, t)
-            n = builder.call(rint, [t])
-            f = builder.fsub(t, n)
+            below = builder.fcmp_ordered("<", t, floor)  # NaN is not: it goes on
+            clamped = builder.select(below, floor, t)  # a masked -inf gives no NaN here
+            n = builder.call(rint, [clamped])
+            f = builder.fsub(clamped, n)
             p = coefficients[-1]
             for c in reversed(coefficients[:-1]):
                 p = builder.call(fma, [p, f, c])
             every_lane = ir.Constant(ir.IntType(16), -1)
             current_rounding = ir.Constant(ir.IntType(32), 4)
-            probabilities.append(builder.call(scalef, [p, n, p, every_lane, current_rounding]))
+            scaled = builder.call(scalef, [p, n, p, every_lane, current_rounding])
+            probabilities.append(builder.select(below, ir.Constant(f32x16, [0.0] * LANES), scaled))
         even, odd = probabilities
         sums = vector_at(types_[8], total, row, f32x16)
         builder.store(builder.fadd(builder.load(sums, align=4), builder.fadd(even, odd)), sums,
@@ -975,6 +980,16 @@ def transpose_bf16(src, dst, pairs_t):
         for j in range(rows):
             odd[j] = np.uint16(pair_row[j] >> np.uint32(16))
     dst[:cols, rows:] = 0
+
+
+@njit(fastmath=FASTMATH)
+def transpose_tile(src, dst, rows, cols):
+    """dst[:cols, :rows] <- src[:rows, :cols]^T, 32-bit elements in C rows, rows and cols
+    multiples of 16: 16 x 16 blocks in registers (`transpose_block`)."""
+    for r in range(0, rows, LANES):
+        for c in range(0, cols, LANES):
+            transpose_block((src, r * src.shape[1] + c, src.shape[1]), LANES, LANES,
+                            (dst, c * dst.shape[1] + r, dst.shape[1]))  # fmt: skip
 
 
 PEAK_ACCUMULATORS = 12  # independent chains: enough to cover the FMA latency of two pipes
