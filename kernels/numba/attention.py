@@ -56,12 +56,13 @@ from attnperf.kernels.numba.microkernels import (
 from attnperf.kernels.numba.tiles import OWN_TILES, product, tiles_flag
 from attnperf.kernels.numba.variant import (
     MASK_NONE,
+    MASKED,
     SKIP,
+    changes_values,
     key_tiles,
     longest,
     longest_in_table,
     lower_variant,
-    modifies_scores,
     modify_scores,
     modify_transposed_scores,
     query_range,
@@ -501,12 +502,16 @@ def amx_query_tile(q, k, values_t, variant, scale, out, stats, block_m, block_n,
     values = values_t[b, hk]
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
         transposed_scores(k, slot, hk, k0 + j0, cols, q_view, s_t, tail)
-        factor = scale2  # the scale goes into the softmax's pass where no variant changes scores
-        if scale2 <= 0 or modifies_scores(variant, structure):
+        # The scale goes into the softmax's pass unless a variant changes scores' values: the
+        # band and the block layout only set -inf (a causal tile's pass over its scores
+        # cost as much as its maxima).
+        factor = scale2
+        if scale2 <= 0 or changes_values(variant):
             scale_scores(s_t, cols, tile_rows, scale2)
+            factor = ONE
+        if factor == ONE or structure == MASKED:
             modify_transposed_scores(s_t, s_rows, variant, b, h, i0, j0, rows, cols,
                                      structure)  # fmt: skip
-            factor = ONE
         transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, shift, work)
         value_tile = (values, j0, values.shape[1])
         amx_product(value_tile, p_view, (acc_t, 0, tile_rows), value_dim // TILE_ROWS,

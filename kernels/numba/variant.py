@@ -120,8 +120,16 @@ def key_tiles(variant, b, h, i0, rows, kv_len, block_n):
 def modifies_scores(variant, structure):
     """Whether modify_scores changes a tile of this structure: a softcap, a mask, ALiBi,
     or a MASKED tile (a decode step's plain tiles skip its calls)."""
+    return structure == MASKED or changes_values(variant)
+
+
+@njit()
+def changes_values(variant):
+    """Whether modify_scores changes scores' values (a softcap, a mask, ALiBi: each on the
+    scaled scores), not only sets some to -inf (the band, the block layout), which the
+    scale leaves as they are."""
     mask_kind, softcap2, alibi2 = variant[1], variant[5], variant[6]
-    return structure == MASKED or mask_kind != MASK_NONE or softcap2 != 0 or alibi2.shape[0] > 0
+    return mask_kind != MASK_NONE or softcap2 != 0 or alibi2.shape[0] > 0
 
 
 @njit(fastmath=FASTMATH)
