@@ -744,20 +744,21 @@ def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at
             data = context.make_array(array_type)(context, builder, array).data
             return builder.bitcast(builder.gep(data, [offset]), vector_type.as_pointer())
 
-        types_ = signature.args
+        arg_types = signature.args
         fma = _function(builder, "llvm.fma.v16f32", f32x16, [f32x16] * 3)
         rint = _function(builder, "llvm.rint.v16f32", f32x16, [f32x16])
         scalef = _function(builder, "llvm.x86.avx512.mask.scalef.ps.512", f32x16,
                            [f32x16, f32x16, f32x16, ir.IntType(16), ir.IntType(32)])  # fmt: skip
         to_pairs = _function(builder, "llvm.x86.avx512bf16.cvtne2ps2bf16.512",
                              ir.VectorType(_BFloat(), 2 * LANES), [f32x16, f32x16])  # fmt: skip
-        minus_shift = builder.fneg(builder.load(vector_at(types_[3], shift, row, f32x16), align=4))
+        shifts = builder.load(vector_at(arg_types[3], shift, row, f32x16), align=4)
+        minus_shift = builder.fneg(shifts)
         factors = _splat(builder, factor, f32x16)
         floor = ir.Constant(f32x16, [EXP2_FLOOR] * LANES)
         coefficients = [ir.Constant(f32x16, [float(c)] * LANES) for c in EXP2_BF16_COEFFS]
         probabilities = []
         for offset in (at, builder.add(at, stride)):
-            scores = builder.load(vector_at(types_[0], s_t, offset, f32x16), align=4)
+            scores = builder.load(vector_at(arg_types[0], s_t, offset, f32x16), align=4)
             t = builder.call(fma, [scores, factors, minus_shift])
             # A select on an ordered compare (one vmaxps): NaN goes on, into the polynomial.
             below = builder.fcmp_ordered("<", t, floor)  # NaN is not: it goes on
@@ -772,7 +773,7 @@ def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at
             scaled = builder.call(scalef, [p, n, p, every_lane, current_rounding])
             probabilities.append(builder.select(below, ir.Constant(f32x16, [0.0] * LANES), scaled))
         even, odd = probabilities
-        sums = vector_at(types_[8], total, row, f32x16)
+        sums = vector_at(arg_types[8], total, row, f32x16)
         builder.store(builder.fadd(builder.load(sums, align=4), builder.fadd(even, odd)), sums,
                       align=4)  # fmt: skip
         halves = builder.bitcast(builder.call(to_pairs, [odd, even]), i16x32)  # even's low
@@ -780,7 +781,7 @@ def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at
         pairs = builder.shuffle_vector(halves, ir.Constant(i16x32, ir.Undefined),
                                        ir.Constant(ir.VectorType(ir.IntType(32), 2 * LANES),
                                                    interleave))  # fmt: skip
-        builder.store(pairs, vector_at(types_[6], p_t, p_at, i16x32), align=2)
+        builder.store(pairs, vector_at(arg_types[6], p_t, p_at, i16x32), align=2)
         return context.get_dummy_value()
 
     return sig, codegen
