@@ -88,7 +88,7 @@ def attention(
     plan = None if metadata is None else plans.dense_plan(metadata)
     if plan is not None:
         inputs = plan.bind(query, key, value)
-        return inputs.restore(*plan.backend.run(inputs))
+        return inputs.restore(*plan.run(inputs))
     outside_autocast = contextlib.nullcontext()
     if autocast is not None:
         # As SDPA under autocast: q, k, v in autocast's dtype; the kernels then run as asked.

@@ -97,6 +97,14 @@ class Backend:
         it, else None) for inputs this backend has accepted."""
         raise NotImplementedError
 
+    def forward_for(self, inputs: AttentionInputs) -> Callable[..., object] | None:
+        """A forward launcher for the next calls with the metadata of an accepted call like
+        `inputs` (whose checks found no tensor variant), or None (the default: each call
+        runs whole). attnperf.plans keeps it per call metadata and passes it to a fused
+        backend's `run` (FusedBackend: forward(inputs) -> (out, stats), its own
+        `forward`'s contract, for a call with that metadata)."""
+        return None
+
     def run_kvcache(self, inputs: KVCacheInputs) -> tuple[Tensor, Tensor | None]:
         """(output (B, Hq, Lq, Ev), LSE (B, Hq, Lq) float32 when asked for, else None) of an
         accepted KV-cache call whose new keys are already written into the cache."""
@@ -197,14 +205,21 @@ class FusedBackend(Backend):
         out, stats = self.kvcache_forward(inputs)
         return out, lse_from_stats(stats) if inputs.variant.return_lse else None
 
-    def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
+    def run(
+        self, inputs: AttentionInputs, forward: Callable[..., object] | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """`Backend.run`; `forward`: a launcher `forward_for` gave for the call's metadata,
+        in place of the backend's own `forward`."""
+        transformed = torch._C._are_functorch_transforms_active()
+        if forward is None or transformed:  # vmap folds its dim into the batch: new shapes
+            forward = self.forward
         # Without a gradient to come, the launcher alone: autograd.Function.apply binds its
         # arguments by signature (~60 us, half a short call). Under torch.func transforms
         # (vmap) the Function's own rules must run, as its apply checks.
-        if not inputs.needs_grad and not torch._C._are_functorch_transforms_active():
-            out, stats = self.forward(inputs)
+        if not inputs.needs_grad and not transformed:
+            out, stats = forward(inputs)
             return out, lse_from_stats(stats) if inputs.variant.return_lse else None
-        launchers = (self.forward, self.backward)
+        launchers = (forward, self.backward)
         out, lse, _ = FusedAttention.apply(
             launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask,
             inputs.variant.sinks,

@@ -54,6 +54,13 @@ class DensePlan:
     variant: Variant
     backend: Backend
     selection_state: tuple
+    forward: Callable[..., object] | None  # the backend's `forward_for` these calls
+
+    def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
+        """The backend's `run` of a call bound to this plan, on the kept forward if any."""
+        if self.forward is None:
+            return self.backend.run(inputs)
+        return self.backend.run(inputs, self.forward)
 
     def bind(self, query: Tensor, key: Tensor, value: Tensor) -> AttentionInputs:
         """The inputs of a call with this plan's metadata."""
@@ -146,6 +153,7 @@ def keep_dense_plan(key: tuple, inputs: AttentionInputs, chosen: Backend) -> Non
         variant=inputs.variant,
         backend=chosen,
         selection_state=dispatch.selection_state(),
+        forward=chosen.forward_for(inputs),
     )
     _keep(key, plan)
 

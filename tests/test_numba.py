@@ -17,7 +17,7 @@ from attnperf.inputs import prepare
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
 pytest.importorskip("numba")
-from attnperf.kernels.numba import attention, blas, fastmath, launch, variant
+from attnperf.kernels.numba import attention, blas, fastmath, jit, launch, variant
 from attnperf.kernels.numba.jit import numba
 from attnperf.kernels.numba.microkernels import BF16
 
@@ -213,10 +213,10 @@ def test_any_layout_gives_every_layout_one_numba_type():
         np.testing.assert_array_equal(view[1], array)
 
 
-def test_forward_kernels_take_their_arrays_in_any_layout(monkeypatch):
-    """The launcher wraps q, k, v and the mask (`launch.any_layout`) whatever their layout:
-    the forward kernel gets them all as layout "A", in both layouts, with and without a
-    mask. (A zero-size array stays "C": numpy calls it contiguous at any strides.)"""
+def test_forward_kernels_read_q_k_v_in_place_at_any_strides(monkeypatch):
+    """The launcher hands the forward kernel q, k and v's own memory at their own strides
+    (`launch.strided_memory`), (B, L, H, E) views too: no copy; a mask reaches it as
+    layout "A" (`launch.any_layout`), with and without one the same kernel."""
     launched = []
 
     def run_parallel(kernel, *args):
@@ -226,14 +226,18 @@ def test_forward_kernels_take_their_arrays_in_any_layout(monkeypatch):
     monkeypatch.setattr(attention, "run_parallel", run_parallel)
     q, k, v = (torch.randn(1, 3, 32, 16) for _ in range(3))
     blhe = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    for args in ((q, k, v), blhe):
-        attnperf.attention(*args, backend="numba")
-        attnperf.attention(*args, attn_mask=torch.randn(32, 32), backend="numba")
-    assert len(launched) == 4
-    for kernel, args in launched:
-        variant = args[3] if kernel is attention.online_softmax_forward else args[5]
-        for array in (*args[:3], variant[0]):
-            assert numba.typeof(array).layout == "A", (kernel, numba.typeof(array))
+    variant_at = {attention.online_softmax_forward: 1, attention.packed_forward: 2}
+    for tensors in ((q, k, v), blhe):
+        for mask in (None, torch.randn(32, 32)):
+            attnperf.attention(*tensors, attn_mask=mask, backend="numba")
+            kernel, args = launched.pop()
+            for tensor, (address, shape, strides, _) in zip(tensors, args[0], strict=False):
+                assert address == tensor.data_ptr() and shape == tuple(tensor.shape)
+                for size, stride, own in zip(shape, strides, tensor.stride(), strict=True):
+                    assert size == 1 or stride == 4 * own, (strides, tensor.stride())
+            variant = args[variant_at[kernel]]
+            assert numba.typeof(variant[0]).layout == "A", (kernel, numba.typeof(variant[0]))
+    assert not launched
 
 
 def test_bf16_backward_runs_on_bf16_tiles(monkeypatch):
@@ -308,3 +312,85 @@ def test_balanced_order_shares_the_work_evenly_heaviest_first():
     table[:, 4] = 5
     assert variant.balanced_order(table, 2) is None
     assert variant.balanced_order(table[:1], 2) is None
+
+
+@numba.njit
+def _strided_copy(memory, out):
+    x = jit.strided_at(memory)
+    for index in np.ndindex(x.shape):
+        out[index] = x[index]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "blhe", "broadcast", "bf16"])
+def test_strided_at_reads_a_tensor_at_its_own_strides(layout):
+    """`launch.strided_memory` and `jit.strided_at`: a kernel reads a tensor's own memory
+    at its strides, (B, L, H, E) views and broadcast (stride 0) dims too, bf16 as its bits."""
+    base = torch.randn(2, 5, 3, 4)
+    tensor = {
+        "contiguous": base,
+        "blhe": base.transpose(1, 2),
+        "broadcast": base[:1, :, :1].expand(2, 5, 3, 4),
+        "bf16": base.bfloat16().transpose(1, 2),
+    }[layout]
+    out = np.empty(tuple(tensor.shape), np.uint16 if layout == "bf16" else np.float32)
+    _strided_copy(launch.strided_memory(tensor), out)
+    expected = tensor.contiguous()
+    if layout == "bf16":
+        expected = expected.view(torch.int16)
+        out = out.view(np.int16)
+    np.testing.assert_array_equal(out, expected.numpy())
+
+
+@numba.njit
+def _carved(address):
+    a, at = jit.carve(address, 0, (3, 5), np.empty(0, np.float32))
+    b, end = jit.carve(address, at, (2,), np.empty(0, np.uint16))
+    return a, b, at, end
+
+
+def test_carve_lays_arrays_on_lines_in_order_and_measures_from_zero():
+    """Each carved array starts on a 64-byte line past the one before; from address 0 the
+    offsets alone (a workspace's extent); writes through one never reach another."""
+    _, _, at, end = _carved(0)
+    assert (at, end) == (60, 64 + 4)
+    memory = launch.scratch("test", (end,), np.uint8)
+    a, b, _, _ = _carved(memory.ctypes.data)
+    a[:] = 1
+    b[:] = 7
+    assert a.ctypes.data == memory.ctypes.data and b.ctypes.data == memory.ctypes.data + 64
+    np.testing.assert_array_equal(memory[:60].view(np.float32), 1)
+    np.testing.assert_array_equal(memory[64:68].view(np.uint16), 7)
+
+
+@numba.njit
+def _double_row(matrix, r):
+    row = jit.row_view(matrix, r)
+    for c in range(row.shape[0]):
+        row[c] *= 2
+
+
+def test_row_view_is_the_matrix_row():
+    matrix = np.arange(12, dtype=np.float32).reshape(3, 4)
+    _double_row(matrix, 1)
+    np.testing.assert_array_equal(matrix, [[0, 1, 2, 3], [8, 10, 12, 14], [8, 9, 10, 11]])
+
+
+@pytest.mark.parametrize("keys", [1, 33, 100])
+@pytest.mark.parametrize("by_rows", [False, True])
+def test_forward_workspaces_hold_every_tile_of_the_call(keys, by_rows):
+    """A thread's workspace (`amx_workspace_bytes`, `packed_workspace_bytes`) holds its kv
+    head's packs and the buffers of any query tile of the call (rows up to block_m, keys up
+    to the longest sequence's), each carved from a line."""
+    f32, u16 = attention.F32, attention.U16
+    for rows in (1, 16, 40, 64):
+        for kv_len in range(1, keys + 1, 7):
+            width = attention.key_tile_width(kv_len, 64)
+            _, _, values = attention.amx_values_buffers(0, keys, 32)
+            _, tile = attention.amx_tile_buffers(0, -(-rows // 16) * 16, width, 64, 32, by_rows)
+            needed = -(-values // 64) * 64 + tile + 64
+            assert needed <= attention.amx_workspace_bytes(keys, 64, 32, 64, 64, by_rows)
+            for like in (f32, u16):
+                _, _, kv = attention.packed_kv_buffers(0, keys, 40, 24, like)
+                *_, tile = attention.packed_tile_buffers(0, rows, width, 24, like is u16)
+                needed = -(-kv // 64) * 64 + tile + 64
+                assert needed <= attention.packed_workspace_bytes(keys, 40, 24, 64, 64, like)

@@ -8,6 +8,8 @@ import torch
 
 import attnperf
 from attnperf import api, dispatch, plans
+from attnperf.inputs import prepare
+from attnperf.kernels.numba import attention
 
 
 @pytest.fixture(autouse=True)
@@ -291,3 +293,28 @@ def test_a_step_is_kept_per_thread_count_and_grad_mode(binds):
     finally:
         torch.set_num_threads(threads)
     assert binds[0] == (2 if threads == 1 else 3)  # a thread count's first, no_grad's first
+
+
+def test_a_numba_plan_keeps_its_forward_and_reads_each_calls_strides(prepares):
+    """numba's plan keeps its forward (`Backend.forward_for`), which reads each call's
+    q, k, v at their own strides: a (B, L, H, E) view of the planned shape gives its own
+    result, not one of the layout the plan was made for."""
+    q, k, v = qkv(2, 3, 16, 8)
+    attnperf.attention(q, k, v, backend="numba")
+    (plan,) = plans._PLANS.values()
+    assert isinstance(plan.forward, attention.DenseForward)
+    views = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(2, 3, 16, 8))
+    out = attnperf.attention(*views, backend="numba")
+    assert prepares[0] == 1
+    expected = torch.nn.functional.scaled_dot_product_attention(*views)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_numba_keeps_no_forward_for_tensor_variants():
+    """A kept forward holds its call's variant: never one made of a call's tensors."""
+    q, k, v = qkv(1, 2, 8, 4)
+    assert attention.numba_forward_for(prepare(q, k, v)) is not None
+    masked = prepare(q, k, v, attn_mask=torch.randn(8, 8))
+    sinks = prepare(q, k, v, sinks=torch.zeros(2))
+    assert attention.numba_forward_for(masked) is None
+    assert attention.numba_forward_for(sinks) is None

@@ -20,16 +20,31 @@ from attnperf.kernels.numba.amx import (
     zero_to_step,
 )
 from attnperf.kernels.numba.fastmath import LOG2E, exp2, exp2_for_bf16, exp2_shifted, row_maximum
-from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index, wide_vectors
+from attnperf.kernels.numba.jit import (
+    FASTMATH,
+    array_at,
+    carve,
+    data_address,
+    njit,
+    prange,
+    row_view,
+    split_index,
+    strided_at,
+    wide_vectors,
+)
 from attnperf.kernels.numba.launch import (
     any_layout,
     as_bf16_bits,
     as_fp32,
     as_numpy,
-    bf16_array,
+    empty_output,
     float32_array,
+    fp32_operand,
+    memory_of,
     run_parallel,
     scratch,
+    strided_memory,
+    zero_memory,
 )
 from attnperf.kernels.numba.microkernels import (
     BF16,
@@ -65,6 +80,9 @@ from attnperf.kernels.numba.variant import (
     with_sink,
 )
 
+# The element types of `carve`'s arrays.
+F32, U16 = np.empty(0, np.float32), np.empty(0, np.uint16)
+
 # Tile sizes: of 64/128/256 x 128/256/512, 128 x 512 was as fast as any, causal or not,
 # forward or backward, at L = 2048 and 4096 on a 2-core AVX-512 machine (same-run ratios to
 # sdpa); square tiles lost up to 30% causal too: a causal query tile stops its last key tile
@@ -87,13 +105,14 @@ def online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift):
     """The online softmax's step before acc += P V: s[:rows, :cols] <- P = 2 ** (s - the
     rows' new max), their max and sum updated, acc rescaled to the new max."""
     for r in range(rows):
-        new_max = row_maximum(s[r], cols, row_max[r])
+        s_row = row_view(s, r)
+        new_max = row_maximum(s_row, cols, row_max[r])
         # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
         shift[r] = new_max if new_max != -np.inf else 0.0
         # Our float32 exp2, not `2.0 **` (a float64 libm pow per row); 1 leaves acc alone.
         alpha = exp2(row_max[r] - shift[r]) if row_max[r] != -np.inf else np.float32(0.0)
         row_max[r] = new_max
-        row_sum[r] = row_sum[r] * alpha + exp2_shifted(s[r], cols, shift[r], 1.0)
+        row_sum[r] = row_sum[r] * alpha + exp2_shifted(s_row, cols, shift[r], 1.0)
         if alpha != 1:
             for e in range(acc.shape[1]):
                 acc[r, e] *= alpha
@@ -128,6 +147,23 @@ def query_tile(variant, q_heads, block_m, item):
 
 
 @njit(fastmath=FASTMATH)
+def tile_and_head(variant, q_heads, kv_heads, block_m, item):
+    """A forward item's tile (`query_tile`) and its (sequence, kv head) as one index, b Hk +
+    hk (-1 past its sequence's end: no work). Consecutive items of one index share its
+    packed keys and values."""
+    tile = query_tile(variant, q_heads, block_m, item)
+    if tile[5] <= 0:
+        return tile, -1
+    return tile, tile[0] * kv_heads + tile[1] // (q_heads // kv_heads)
+
+
+@njit(fastmath=FASTMATH)
+def forward_items(variant, q_heads, block_m):
+    """The forward's work items: (sequence, query head, query tile) triples."""
+    return variant[4].shape[0] * q_heads * ((longest(variant, 2) + block_m - 1) // block_m)
+
+
+@njit(fastmath=FASTMATH)
 def softmax_state(rows, block_n, value_dim):
     """A query tile's online-softmax state: the score tile, the unnormalised accumulator
     (both on 64-byte lines, as AMX's tiles take them), and each row's running max, sum and
@@ -148,23 +184,31 @@ def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
     for r in range(acc.shape[0]):
         # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
         row_max, total, inv = with_sink(variant, h, shift[r], row_sum[r])
-        out_row = out[slot, h, first + r]
+        i = first + r
         if bf16:  # the product in float32: it is rounded to bf16 next
             inv32 = np.float32(inv)
             for e in range(acc.shape[1]):
-                out_row[e] = to_bf16(acc[r, e] * inv32)
+                out[slot, h, i, e] = to_bf16(acc[r, e] * inv32)
         else:
             for e in range(acc.shape[1]):
-                out_row[e] = acc[r, e] * inv
-        stats[slot, h, first + r, 0] = row_max
-        stats[slot, h, first + r, 1] = total
+                out[slot, h, i, e] = acc[r, e] * inv
+        stats[slot, h, i, 0] = row_max
+        stats[slot, h, i, 1] = total
+
+
+@njit()
+def forward_arrays(memory):
+    """(q, k, v, out, stats) of a forward in its tensors' memory: q, k, v at any strides
+    (`launch.strided_memory`), out and stats C-contiguous (`launch.memory_of`)."""
+    q, k, v = strided_at(memory[0]), strided_at(memory[1]), strided_at(memory[2])
+    return q, k, v, array_at(memory[3]), array_at(memory[4])
 
 
 @njit(parallel=True, fastmath=FASTMATH)
-def online_softmax_forward(q_any, k_any, v_any, variant, scale, out, stats, block_m, block_n):
+def online_softmax_forward(memory, variant, scale, block_m, block_n):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
     2 ** (score - max), the sink's term included; fp32 q, k, v with unit stride along E."""
-    q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
+    q, k, v, out, stats = forward_arrays(memory)
     q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], v.shape[3]
     group = q_heads // kv_heads
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
@@ -181,20 +225,6 @@ def online_softmax_forward(q_any, k_any, v_any, variant, scale, out, stats, bloc
             acc, row_max, row_sum, shift,
         )  # fmt: skip
         finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, out, stats)
-
-
-@njit(fastmath=FASTMATH)
-def pack_sequence(k, v, variant, key_panels, value_pairs, item):
-    """Item (sequence, kv head) of the packing: its keys into key_panels (NS, Hk, S16,
-    depth, 16 w) as `pack_key_panels`, and for bf16 its values into value_pairs (NS, Hk,
-    ceil(S / 2), 2 Ev) as `pack_vnni` (empty for fp32: V is read in place). A sequence
-    starts at a panel, whatever its offset in k and v."""
-    kv_heads = k.shape[1]
-    b, hk, _ = split_index(item, kv_heads, 1)
-    slot, _, _, k0, kv_len = sequence(variant, b)
-    pack_key_panels(k[slot, hk, k0 : k0 + kv_len], key_panels[b, hk])
-    if value_pairs.shape[0] > 0:
-        pack_vnni(v[slot, hk, k0 : k0 + kv_len], value_pairs[b, hk])
 
 
 @njit(fastmath=FASTMATH)
@@ -222,7 +252,12 @@ def rows_view(x, slot, h, row):
 def panels_view(panels, b, hk, j0):
     """Keys j0.. of head hk of sequence b in `pack_key_panels`' panels (NS, Hk, S16,
     depth, w) as a micro-kernel's B view: X^T of those keys."""
-    head = panels[b, hk]
+    return head_panels_view(panels[b, hk], j0)
+
+
+@njit(fastmath=FASTMATH)
+def head_panels_view(head, j0):
+    """Keys j0.. of a kv head's panels (S16, depth, w) as a micro-kernel's B view."""
     size = head.shape[1] * head.shape[2]
     return head, j0 // LANES * size, head.shape[2], size
 
@@ -232,7 +267,13 @@ def pairs_view(pairs, b, hk, j0):
     """Keys j0.. (even) of head hk of sequence b in `pack_vnni`'s key pairs (NS, Hk,
     ceil(S / 2), 2 E) as a micro-kernel's B view: those keys' rows, paired. Views here are
     of 2-D arrays, as the forward's P V takes them: one compiled product serves both."""
-    head = pairs[b, hk]
+    return head_pairs_view(pairs[b, hk], j0)
+
+
+@njit(fastmath=FASTMATH)
+def head_pairs_view(head, j0):
+    """Keys j0.. (even) of a kv head's pairs (ceil(S / 2), 2 E) as a micro-kernel's B
+    view."""
     return head, j0 // 2 * head.shape[1], head.shape[1], 2 * LANES
 
 
@@ -304,75 +345,131 @@ def online_softmax_to_bf16(s, factor, p16, rows, cols, acc, row_max, row_sum, sh
 
 
 @njit(fastmath=FASTMATH)
-def packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                      block_n, item):  # fmt: skip
-    """Item (sequence, query head, query tile) of `packed_forward`."""
+def packed_kv_buffers(address, keys, dim, value_dim, like):
+    """A kv head's keys in panels of 16 (`pack_key_panels`: fp32, or bf16 pairs where like
+    is uint16) and, for bf16, its values in pairs (`pack_vnni`; none for fp32, whose V is
+    read in place), for up to `keys` keys, carved at `address`; and their extent."""
+    pair = 2 if like.itemsize == 2 else 1
+    panel_shape = ((keys + LANES - 1) // LANES, (dim + pair - 1) // pair, LANES * pair)
+    key_panels, at = carve(address, 0, panel_shape, like)
+    pairs_shape = ((keys + 1) // 2, 2 * value_dim) if pair == 2 else (0, 0)
+    value_pairs, at = carve(address, at, pairs_shape, U16)
+    return key_panels, value_pairs, at
+
+
+@njit(fastmath=FASTMATH)
+def packed_tile_buffers(address, rows, width, value_dim, bf16):
+    """A query tile's buffers for `packed_query_tile`, carved at `address`: the scores, the
+    unnormalised accumulator, the rows' (max, sum, shift), P in bf16 (bf16 calls: a column
+    more, a pair's zero); and their extent."""
+    s, at = carve(address, 0, (rows, width), F32)
+    acc, at = carve(address, at, (rows, value_dim), F32)
+    state, at = carve(address, at, (3, rows), F32)
+    p16, at = carve(address, at, (rows, width + 1 if bf16 else 0), U16)
+    return s, acc, state, p16, at
+
+
+@njit(fastmath=FASTMATH)
+def packed_query_tile(q, v, key_panels, value_pairs, variant, scale, out, stats, block_n, tile,
+                      address):  # fmt: skip
+    """Query tile `tile` (`query_tile`'s, rows > 0) of `packed_forward` against its kv
+    head's packed keys (and bf16 values), in buffers carved at `address`."""
     wide_vectors()
     bf16 = value_pairs.shape[0] > 0
-    q_heads, kv_heads, value_dim = q.shape[1], key_panels.shape[1], v.shape[3]
-    group = q_heads // kv_heads
+    q_heads, kv_heads, value_dim = q.shape[1], v.shape[1], v.shape[3]
     scale2 = np.float32(scale * LOG2E)
-    depth = key_panels.shape[3]
-    b, h, slot, q0, i0, rows, k0, kv_len = query_tile(variant, q_heads, block_m, item)
-    if rows <= 0:  # past this sequence's end
-        return
+    depth = key_panels.shape[1]
+    b, h, slot, q0, i0, rows, k0, kv_len = tile
     width = key_tile_width(kv_len, block_n)
-    s, acc, row_max, row_sum, shift = softmax_state(rows, width, value_dim)
-    p16_width = width + 1
-    p16 = aligned_empty(rows, p16_width if bf16 else 0, np.empty(0, np.uint16))
-    hk = h // group
+    s, acc, state, p16, _ = packed_tile_buffers(address, rows, width, value_dim, bf16)
+    acc[:] = 0
+    row_max, row_sum, shift = state[0], state[1], state[2]
+    row_max[:] = -np.inf
+    row_sum[:] = 0
+    shift[:] = 0
+    hk = h // (q_heads // kv_heads)
     q_view = rows_view(q, slot, h, q0 + i0)
     acc_view = (acc, 0, value_dim)
-    no_dtanh = np.empty((0, 0), np.float32)
+    no_dtanh = s[:0, :0]
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-        keys_view = panels_view(key_panels, b, hk, j0)
+        keys_view = head_panels_view(key_panels, j0)
         tile_product(depth, scale2, ZERO, q_view, keys_view, (s, 0, width), rows, cols)
         modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
         online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
         if bf16:
             round_probabilities(s, p16, rows, cols)
-            values_view = pairs_view(value_pairs, b, hk, j0)
-            p_view = (p16, 0, p16_width, 1)
+            values_view = head_pairs_view(value_pairs, j0)
+            p_view = (p16, 0, width + 1, 1)
             tile_product((cols + 1) // 2, ONE, ONE, p_view, values_view, acc_view, rows, value_dim)
         else:
             _, v_at, v_row, _ = rows_view(v, slot, hk, k0 + j0)  # V in place: B's rows
             values_view = (v, v_at, v_row, LANES)
             tile_product(cols, ONE, ONE, (s, 0, width, 1), values_view, acc_view, rows, value_dim)
-    finish_rows(variant, slot, h, q0 + i0, acc[:rows], row_sum, shift, out, stats)
-
-
-@njit(parallel=True, fastmath=FASTMATH)
-def packed_forward(q_any, k_any, v_any, key_panels, value_pairs, variant, scale, out, stats,
-                   block_m, block_n):  # fmt: skip
-    """online_softmax_forward on our micro-kernels: each (sequence, kv head)'s keys (and
-    bf16 values) packed once into key_panels (value_pairs), then every query tile over
-    them. fp32 (q, k, v float32) or bf16 (q, k, v bf16 bits, values packed in pairs, P
-    rounded to bf16 before P V; E even). Scores, softmax and accumulation in fp32.
-
-    One call for both steps: a short call paid ~4 us of arguments per kernel call, and its
-    packing ran on one thread to spare a second parallel region."""
-    q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
-    # Items as int64, as packed_forward_serial's: prange's are unsigned, and the helpers
-    # would otherwise be compiled twice.
-    for item in prange(variant[4].shape[0] * k.shape[1]):
-        pack_sequence(k, v, variant, key_panels, value_pairs, np.int64(item))
-    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
-    for item in prange(variant[4].shape[0] * q.shape[1] * q_tiles):
-        packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                          block_n, np.int64(item))  # fmt: skip
+    finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, out, stats)
 
 
 @njit(fastmath=FASTMATH)
-def packed_forward_serial(q_any, k_any, v_any, key_panels, value_pairs, variant, scale, out,
-                          stats, block_m, block_n):  # fmt: skip
+def packed_workspace_bytes(keys, dim, value_dim, block_m, block_n, like):
+    """The bytes of one thread's workspace for `packed_forward_items` (a line more, to
+    start on one)."""
+    _, _, kv_end = packed_kv_buffers(0, keys, dim, value_dim, like)
+    width = key_tile_width(keys, block_n)
+    tile_end = packed_tile_buffers(0, block_m, width, value_dim, like.itemsize == 2)[-1]
+    return (kv_end + 63) // 64 * 64 + tile_end + 64
+
+
+@njit(fastmath=FASTMATH)
+def packed_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace,
+                         first, last):  # fmt: skip
+    """Items (sequence, query head, query tile) first .. last - 1 of `packed_forward`, on
+    one thread, in its workspace (`packed_workspace_bytes`): each (sequence, kv head)'s
+    keys (and bf16 values) packed as its items come (consecutive items share them), then
+    each query tile's buffers."""
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    address = (data_address(workspace) + 63) // 64 * 64
+    like = q[0, 0, 0, :0]  # q's element type: fp32, or bf16 bits
+    key_panels, value_pairs, at = packed_kv_buffers(address, longest(variant, 4), k.shape[3],
+                                                    v.shape[3], like)  # fmt: skip
+    tile_address = address + (at + 63) // 64 * 64
+    packed = -1
+    for item in range(first, last):
+        tile, head = tile_and_head(variant, q_heads, kv_heads, block_m, item)
+        if head < 0:
+            continue
+        if head != packed:
+            slot, hk, k0, kv_len = tile[2], head % kv_heads, tile[6], tile[7]
+            pack_key_panels(k[slot, hk, k0 : k0 + kv_len], key_panels)
+            if value_pairs.shape[0] > 0:
+                pack_vnni(v[slot, hk, k0 : k0 + kv_len], value_pairs)
+            packed = head
+        packed_query_tile(q, v, key_panels, value_pairs, variant, scale, out, stats, block_n,
+                          tile, tile_address)  # fmt: skip
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def packed_forward(memory, workspace, variant, scale, block_m, block_n):
+    """online_softmax_forward on our micro-kernels, fp32 (q, k, v float32) or bf16 (q, k, v
+    bf16 bits, values packed in pairs, P rounded to bf16 before P V; E even); scores,
+    softmax and accumulation in fp32. The items shared out in workspace.shape[0] runs of
+    consecutive ones, one per thread (as prange would share them), each in its own
+    workspace row, with no allocation nor a packing pass of its own
+    (`packed_forward_items`)."""
+    q, k, v, out, stats = forward_arrays(memory)
+    items = forward_items(variant, q.shape[1], block_m)
+    runs = workspace.shape[0]
+    for run in prange(runs):
+        first, last = np.int64(run) * items // runs, (np.int64(run) + 1) * items // runs
+        packed_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n,
+                             workspace[run], first, last)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def packed_forward_serial(memory, workspace, variant, scale, block_m, block_n):
     """packed_forward on the calling thread (one query tile: nothing to share)."""
-    q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
-    for item in range(variant[4].shape[0] * k.shape[1]):
-        pack_sequence(k, v, variant, key_panels, value_pairs, item)
-    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
-    for item in range(variant[4].shape[0] * q.shape[1] * q_tiles):
-        packed_query_tile(q, key_panels, v, value_pairs, variant, scale, out, stats, block_m,
-                          block_n, item)  # fmt: skip
+    q, k, v, out, stats = forward_arrays(memory)
+    items = forward_items(variant, q.shape[1], block_m)
+    packed_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
+                         np.int64(0), items)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -390,17 +487,6 @@ def key_tile_width(kv_len, block_n):
 # (packed per query tile) B; then O^T += V^T P^T, with V^T packed once per kv head (0.8
 # us for 128 keys of E = 64, where the values' pairs took 3.3) and P^T written in B's
 # pairs by the softmax itself. O goes back to rows once, at the end of the query tile.
-
-
-@njit(fastmath=FASTMATH)
-def pack_transposed_values(v, variant, values_t, item):
-    """Item (sequence, kv head) of `amx_forward`'s packing: its values transposed into
-    values_t (NS, Hk, Ev, >= S + 32), zeros past the sequence's keys (a last step of 32
-    keys reads them)."""
-    b, hk, _ = split_index(item, v.shape[1], 1)
-    slot, _, _, k0, kv_len = sequence(variant, b)
-    pairs_t = aligned_empty(v.shape[3] // 2, 2 * whole_tiles(kv_len), v[0, 0])
-    transpose_bf16(v[slot, hk, k0 : k0 + kv_len], values_t[b, hk], pairs_t)
 
 
 @njit(fastmath=FASTMATH)
@@ -466,34 +552,45 @@ def transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, 
 
 
 @njit(fastmath=FASTMATH)
-def amx_query_tile(q, k, values_t, variant, scale, out, stats, block_m, block_n, item):
-    """Item (sequence, query head, query tile) of `amx_forward`."""
+def amx_tile_buffers(address, tile_rows, width, dim, value_dim, by_rows):
+    """A query tile's buffers for `amx_query_tile`, carved at `address` (`carve`): Q^T in
+    B's pairs, S^T, P^T in B's pairs, O^T, O, the rows' (max, sum, shift), the softmax's
+    work, the scores by rows (a mask's or a layout's), a tail of 16 keys; and their extent
+    in bytes."""
+    q_t, at = carve(address, 0, (tile_rows // TILE_ROWS, dim // 2, 2 * TILE_PAIRS), U16)
+    s_t, at = carve(address, at, (whole_tiles(width), tile_rows), F32)
+    p_t, at = carve(address, at, (depth_steps(width) * TILE_PAIRS, 2 * tile_rows), U16)
+    acc_t, at = carve(address, at, (value_dim, tile_rows), F32)
+    acc, at = carve(address, at, (tile_rows, value_dim), F32)
+    state, at = carve(address, at, (3, tile_rows), F32)
+    work, at = carve(address, at, (3, tile_rows), F32)
+    s_rows, at = carve(address, at, (tile_rows if by_rows else 0, whole_tiles(width)), F32)
+    tail, at = carve(address, at, (TILE_ROWS, dim), U16)
+    return (q_t, s_t, p_t, acc_t, acc, state, work, s_rows, tail), at
+
+
+@njit(fastmath=FASTMATH)
+def amx_query_tile(q, k, values, variant, scale, out, stats, block_m, block_n, tile, address):
+    """Query tile `tile` (`query_tile`'s, rows > 0) of `amx_forward` against V^T of its kv
+    head (values: Ev x >= S + 32), in buffers carved at `address` (`amx_tile_buffers`)."""
     wide_vectors()
-    q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], values_t.shape[2]
+    q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], values.shape[0]
     scale2 = np.float32(scale * LOG2E)
-    b, h, slot, q0, i0, rows, k0, kv_len = query_tile(variant, q_heads, block_m, item)
-    if rows <= 0:  # past this sequence's end
-        return
+    b, h, slot, q0, i0, rows, k0, kv_len = tile
     hk = h // (q_heads // kv_heads)
     tile_rows, width = whole_tiles(rows), key_tile_width(kv_len, block_n)
-    f32, u16 = np.empty(0, np.float32), np.empty(0, np.uint16)
+    buffers, _ = amx_tile_buffers(address, tile_rows, width, q.shape[3], value_dim,
+                                  scores_by_rows(variant))  # fmt: skip
+    q_t, s_t, p_t, acc_t, acc, state, work, s_rows, tail = buffers
     depth = q.shape[3] // 2
-    q_t = aligned_empty(tile_rows // TILE_ROWS, depth * 2 * TILE_PAIRS, u16)
-    q_t = q_t.reshape((tile_rows // TILE_ROWS, depth, 2 * TILE_PAIRS))
     pack_key_panels(q[slot, h, q0 + i0 : q0 + i0 + rows], q_t)  # zero rows to a whole tile
     q_view = (q_t, 0, 2 * TILE_PAIRS, depth * 2 * TILE_PAIRS)
-    s_t = aligned_empty(whole_tiles(width), tile_rows, f32)
-    p_t = aligned_empty(depth_steps(width) * TILE_PAIRS, 2 * tile_rows, u16)
     p_view = (p_t, 0, 2 * tile_rows, 2 * TILE_PAIRS)
-    acc_t = aligned_empty(value_dim, tile_rows, f32)
     acc_t[:] = 0
-    row_max = np.full(tile_rows, -np.inf, np.float32)
-    row_sum, shift = np.zeros(tile_rows, np.float32), np.zeros(tile_rows, np.float32)
-    work = np.empty((3, tile_rows), np.float32)
-    by_rows = variant[1] != MASK_NONE or variant[10] != 0  # modify_transposed_scores' s_rows
-    s_rows = aligned_empty(tile_rows if by_rows else 0, whole_tiles(width), f32)
-    tail = aligned_empty(TILE_ROWS, q.shape[3], u16)
-    values = values_t[b, hk]
+    row_max, row_sum, shift = state[0], state[1], state[2]
+    row_max[:] = -np.inf
+    row_sum[:] = 0
+    shift[:] = 0
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
         transposed_scores(k, slot, hk, k0 + j0, cols, q_view, s_t, tail)
         # The scale goes into the softmax's pass unless a variant changes scores' values: the
@@ -510,35 +607,88 @@ def amx_query_tile(q, k, values_t, variant, scale, out, stats, block_m, block_n,
         value_tile = (values, j0, values.shape[1])
         amx_product(value_tile, p_view, (acc_t, 0, tile_rows), value_dim // TILE_ROWS,
                     tile_rows // TILE_ROWS, depth_steps(cols), True)  # fmt: skip
-    acc = aligned_empty(tile_rows, value_dim, f32)
     transpose_tile(acc_t, acc, value_dim, tile_rows)
     finish_rows(variant, slot, h, q0 + i0, acc[:rows], row_sum, shift, out, stats)
 
 
-@njit(parallel=True, fastmath=FASTMATH)
-def amx_forward(q_any, k_any, v_any, values_t, variant, scale, out, stats, block_m, block_n):
-    """`packed_forward` for bf16 on AMX tiles (E and Ev multiples of 32), the scores
-    transposed: each (sequence, kv head)'s values transposed once
-    (`pack_transposed_values`), then every query tile over them."""
-    q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
-    for item in prange(variant[4].shape[0] * k.shape[1]):
-        pack_transposed_values(v, variant, values_t, np.int64(item))
-    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
-    for item in prange(variant[4].shape[0] * q.shape[1] * q_tiles):
-        amx_query_tile(q, k, values_t, variant, scale, out, stats, block_m, block_n,
-                       np.int64(item))  # fmt: skip
+@njit(fastmath=FASTMATH)
+def scores_by_rows(variant):
+    """Whether `modify_transposed_scores` takes a tile's scores by rows (a mask or a block
+    layout), into a buffer of its own."""
+    return variant[1] != MASK_NONE or variant[10] != 0
 
 
 @njit(fastmath=FASTMATH)
-def amx_forward_serial(q_any, k_any, v_any, values_t, variant, scale, out, stats, block_m,
-                       block_n):  # fmt: skip
+def values_columns(keys):
+    """V^T's columns for `keys` keys: whole steps of 32 and one more, of zeros (a last step
+    of 32 keys reads past the keys)."""
+    return -(-keys // (2 * TILE_PAIRS)) * 2 * TILE_PAIRS + 2 * TILE_PAIRS
+
+
+@njit(fastmath=FASTMATH)
+def amx_values_buffers(address, keys, value_dim):
+    """V^T of a kv head of up to `keys` keys and `transpose_bf16`'s pairs, carved at
+    `address`; and their extent in bytes."""
+    values, at = carve(address, 0, (value_dim, values_columns(keys)), U16)
+    pairs_t, at = carve(address, at, (value_dim // 2, 2 * whole_tiles(keys)), U16)
+    return values, pairs_t, at
+
+
+@njit(fastmath=FASTMATH)
+def amx_workspace_bytes(keys, dim, value_dim, block_m, block_n, by_rows):
+    """The bytes of one thread's workspace for `amx_forward_items` (a line more, to start
+    on one)."""
+    _, _, values_end = amx_values_buffers(0, keys, value_dim)
+    width = key_tile_width(keys, block_n)
+    _, tile_end = amx_tile_buffers(0, whole_tiles(block_m), width, dim, value_dim, by_rows)
+    return (values_end + 63) // 64 * 64 + tile_end + 64
+
+
+@njit(fastmath=FASTMATH)
+def amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace, first,
+                      last):  # fmt: skip
+    """Items (sequence, query head, query tile) first .. last - 1 of `amx_forward`, on one
+    thread, in its workspace (`amx_workspace_bytes`): V^T of each (sequence, kv head)
+    packed as its items come (consecutive items share it), then each query tile's buffers."""
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    address = (data_address(workspace) + 63) // 64 * 64
+    values, pairs_t, at = amx_values_buffers(address, longest(variant, 4), v.shape[3])
+    tile_address = address + (at + 63) // 64 * 64
+    packed = -1
+    for item in range(first, last):
+        tile, head = tile_and_head(variant, q_heads, kv_heads, block_m, item)
+        if head < 0:
+            continue
+        if head != packed:
+            slot, hk, k0, kv_len = tile[2], head % kv_heads, tile[6], tile[7]
+            transpose_bf16(v[slot, hk, k0 : k0 + kv_len], values, pairs_t)
+            packed = head
+        amx_query_tile(q, k, values, variant, scale, out, stats, block_m, block_n, tile,
+                       tile_address)  # fmt: skip
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def amx_forward(memory, workspace, variant, scale, block_m, block_n):
+    """`packed_forward` for bf16 on AMX tiles (E and Ev multiples of 32), the scores
+    transposed: the items shared out in workspace.shape[0] runs of consecutive ones, one
+    per thread (as prange would share them), each run in its own workspace row, with no
+    allocation nor a packing pass of its own (`amx_forward_items`)."""
+    q, k, v, out, stats = forward_arrays(memory)
+    items = forward_items(variant, q.shape[1], block_m)
+    runs = workspace.shape[0]
+    for run in prange(runs):
+        first, last = np.int64(run) * items // runs, (np.int64(run) + 1) * items // runs
+        amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n,
+                          workspace[run], first, last)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def amx_forward_serial(memory, workspace, variant, scale, block_m, block_n):
     """amx_forward on the calling thread (one query tile: nothing to share)."""
-    q, k, v = q_any[0], k_any[0], v_any[0]  # launch.any_layout's views
-    for item in range(variant[4].shape[0] * k.shape[1]):
-        pack_transposed_values(v, variant, values_t, item)
-    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
-    for item in range(variant[4].shape[0] * q.shape[1] * q_tiles):
-        amx_query_tile(q, k, values_t, variant, scale, out, stats, block_m, block_n, item)
+    q, k, v, out, stats = forward_arrays(memory)
+    items = forward_items(variant, q.shape[1], block_m)
+    amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
+                      np.int64(0), items)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -1094,50 +1244,97 @@ def softmax_delta(out, grad_out, stats, grad_lse, delta):
             delta[b, h, i] = total
 
 
+class DenseForward:
+    """numba's forward for calls of one metadata: what a call's metadata decides (the
+    micro-kernel kind, the kernel, its tiles and threads' workspace, the variant of a call
+    without tensor variants) worked out once; a call binds its own q, k, v, which the kernel
+    reads in place at their strides (`strided_memory`). attnperf.plans keeps one per call
+    metadata (`Backend.forward_for`): at B = 1, H = 8, L = 64 (bf16, Intel Xeon) working it
+    out and the numpy views it made cost a call ~50 us against its kernel's ~30.
+
+    forward(inputs) -> (out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L,
+    2) fp32: each row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
+
+    def __init__(self, inputs: AttentionInputs):
+        self.kind = kind = forward_kind(inputs)
+        self.dtype, self.value_dim, self.scale = inputs.dtype, inputs.value_dim, inputs.scale
+        # The bf16 tiles take E in pairs: an odd E runs on a zero column more (`bf16_operand`).
+        head_dim = inputs.head_dim + (kind == BF16 and inputs.head_dim % 2)
+        value_dim = inputs.value_dim + (kind == BF16 and inputs.value_dim % 2)
+        self.out_shape = (*inputs.query.shape[:3], value_dim)
+        # Without pairs no key is seen: zeros (with sinks the kernel still writes each row's
+        # sink term), nor by a padded batch's padding rows.
+        no_work = not inputs.has_pairs and inputs.variant.sinks is None
+        self.zero = no_work or inputs.has_padding
+        self.kernel, self.variant, self.workspace, self.blocks = None, None, None, ()
+        self.parallel = True
+        if no_work:
+            return
+        self.variant = variant = lower_variant(inputs)
+        if kind is None:
+            self.kernel, self.blocks = online_softmax_forward, tile_sizes(inputs)
+            return
+        self.blocks = block_m, _ = short_call_tiles(inputs, variant)
+        # On the threads wherever there are two query tiles to share: H = 2, L = 64
+        # (2 MFLOP) took 23 us there against 35 us serially.
+        self.parallel = query_tiles(inputs, variant, block_m) >= 2
+        if kind == BF16 and amx_tiles(inputs):
+            size = amx_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
+                                       *self.blocks, scores_by_rows(variant))  # fmt: skip
+            serial, parallel = amx_forward_serial, amx_forward
+        else:
+            like = U16 if kind == BF16 else F32
+            size = packed_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
+                                          *self.blocks, like)  # fmt: skip
+            serial, parallel = packed_forward_serial, packed_forward
+        # A workspace row per thread (`amx_forward`, `packed_forward`).
+        runs = torch.get_num_threads() if self.parallel else 1
+        self.workspace = ("forward workspace", (runs, size), np.uint8)
+        self.kernel = parallel if self.parallel else serial
+
+    def __call__(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+        operand = bf16_operand if self.kind == BF16 else fp32_operand
+        q, k, v = operand(inputs.query), operand(inputs.key), operand(inputs.value)
+        # bf16 calls on our tiles write their output rounded (the kernel's last pass).
+        out_dtype = torch.bfloat16 if self.kind == BF16 else torch.float32
+        out = empty_output(self.out_shape, out_dtype)
+        stats = empty_output((*self.out_shape[:3], 2), torch.float32)
+        if self.zero:
+            zero_memory(out)
+            zero_memory(stats)
+        if self.kernel is not None:
+            memory = (strided_memory(q), strided_memory(k), strided_memory(v), memory_of(out),
+                      memory_of(stats))  # fmt: skip
+            workspace = () if self.workspace is None else (scratch(*self.workspace),)
+            args = (memory, *workspace, self.variant, self.scale, *self.blocks)
+            if self.parallel:
+                run_parallel(self.kernel, *args)
+            else:
+                self.kernel(*args)
+        if out.shape[3] != self.value_dim:  # a bf16 call of odd E ran on a zero column more
+            out = out[..., : self.value_dim].contiguous()
+        return (out if out.dtype == self.dtype else out.to(self.dtype)), stats
+
+
 def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
     row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
-    kind = forward_kind(inputs)
-    q, k, v = operands(inputs, kind)
-    # Without pairs no key is seen: zeros (with sinks the kernel still writes each row's
-    # sink term).
-    no_work = not inputs.has_pairs and inputs.variant.sinks is None
-    zero = no_work or inputs.has_padding  # nor by a padded batch's padding rows
-    # bf16 calls on our tiles write their output rounded (the kernel's last pass).
-    output = bf16_array if kind == BF16 else float32_array
-    out, out_array = output((*q.shape[:3], v.shape[3]), zero=zero)
-    stats, stats_array = float32_array((*q.shape[:3], 2), zero=zero)
-    if not no_work:
-        variant = lower_variant(inputs)
-        if kind is None:
-            run_parallel(
-                online_softmax_forward, *map(any_layout, (q, k, v)), variant, inputs.scale,
-                out_array, stats_array, *tile_sizes(inputs),
-            )  # fmt: skip
-        else:
-            block_m, block_n = short_call_tiles(inputs, variant)
-            if kind == BF16 and amx_tiles(inputs):
-                packed = transposed_values(v, variant)
-                serial, parallel = amx_forward_serial, amx_forward
-            else:
-                packed = packing_buffers(k, v, variant, kind)
-                serial, parallel = packed_forward_serial, packed_forward
-            args = (*map(any_layout, (q, k, v)), *packed, variant, inputs.scale, out_array,
-                    stats_array, block_m, block_n)  # fmt: skip
-            # On the threads wherever there are two query tiles to share: H = 2, L = 64
-            # (2 MFLOP) took 23 us there against 35 us serially.
-            if query_tiles(inputs, variant, block_m) < 2:
-                serial(*args)
-            else:
-                run_parallel(parallel, *args)
-    if out.shape[3] != inputs.value_dim:  # a bf16 call of odd E ran on a zero column more
-        out = out[..., : inputs.value_dim].contiguous()
-    return out.to(inputs.dtype), stats
+    return DenseForward(inputs)(inputs)
+
+
+def numba_forward_for(inputs: AttentionInputs) -> DenseForward | None:
+    """numba's `Backend.forward_for`: the forward for calls with `inputs`' metadata, where
+    no variant is a tensor (a mask, ALiBi slopes, a block layout or sinks: the kernel's
+    variant holds their values), else None."""
+    variant = inputs.variant
+    tensors = (inputs.attn_mask, variant.sequences, variant.alibi_slopes, variant.block_mask,
+               variant.sinks)  # fmt: skip
+    return DenseForward(inputs) if all(t is None for t in tensors) else None
 
 
 def query_tiles(inputs: AttentionInputs, variant: tuple, block_m: int) -> int:
     """The forward's work items: (sequence, query head, query tile) triples."""
-    return variant[4].shape[0] * inputs.q_heads * -(-longest_in_table(variant, 2) // block_m)
+    return forward_items(variant, inputs.q_heads, block_m)
 
 
 def short_call_tiles(inputs: AttentionInputs, variant: tuple) -> tuple[int, int]:
@@ -1177,33 +1374,13 @@ def bf16_bits(tensor: Tensor) -> np.ndarray:
     return as_bf16_bits(tensor)
 
 
-def operands(inputs: AttentionInputs, kind: int | None) -> tuple[np.ndarray, ...]:
-    """q, k, v as the forward's kernel takes them: bf16 bits for BF16, fp32 otherwise."""
-    if kind == BF16:
-        return bf16_bits(inputs.query), bf16_bits(inputs.key), bf16_bits(inputs.value)
-    return as_fp32(inputs.query), as_fp32(inputs.key), as_fp32(inputs.value)
-
-
-def packing_buffers(k, v, variant, kind) -> tuple[np.ndarray, np.ndarray]:
-    """The arrays `packed_forward` packs keys into, in panels, and (bf16) values, in pairs."""
-    count, kv_heads, dim = variant[4].shape[0], k.shape[1], k.shape[3]
-    width = LANES * (1 if kind == FP32 else 2)
-    depth = dim if kind == FP32 else (dim + 1) // 2
-    longest_keys = longest_in_table(variant, 4)
-    panels = (longest_keys + LANES - 1) // LANES
-    dtype = np.float32 if kind == FP32 else np.uint16
-    key_panels = scratch("key panels", (count, kv_heads, panels, depth, width), dtype)
-    pairs_shape = (count, kv_heads, (longest_keys + 1) // 2, 2 * v.shape[3])
-    value_pairs = scratch("value pairs", pairs_shape if kind == BF16 else (0, 0, 0, 0), np.uint16)
-    return key_panels, value_pairs
-
-
-def transposed_values(v, variant) -> tuple[np.ndarray]:
-    """The array `amx_forward` packs values transposed into: a step of 32 keys past the
-    last key reads zeros there."""
-    count, kv_heads, keys = variant[4].shape[0], v.shape[1], longest_in_table(variant, 4)
-    columns = -(-keys // (2 * TILE_PAIRS)) * 2 * TILE_PAIRS + 2 * TILE_PAIRS
-    return (scratch("values^T", (count, kv_heads, v.shape[3], columns), np.uint16),)
+def bf16_operand(tensor: Tensor) -> Tensor:
+    """A bf16 tensor as the bf16 tiles read it: itself where E is even and of unit stride,
+    else zero-padded to an even E, contiguous."""
+    tensor = tensor.detach()
+    if tensor.shape[-1] % 2:
+        return torch.nn.functional.pad(tensor, (0, 1))
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def tile_sizes(inputs: AttentionInputs, backward: bool = False) -> tuple[int, int]:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 
 from attnperf.backend import FEATURES, Capabilities, FusedBackend
-from attnperf.kernels.numba.attention import numba_attention_backward, numba_attention_forward
+from attnperf.kernels.numba.attention import (
+    numba_attention_backward,
+    numba_attention_forward,
+    numba_forward_for,
+)
 from attnperf.kernels.numba.jit import MISSING
 from attnperf.kernels.numba.kvcache import numba_kvcache_forward, numba_kvcache_step
 from attnperf.kernels.numba.linear import numba_linear_backward, numba_linear_forward
@@ -23,6 +27,7 @@ class NumbaBackend(FusedBackend):
 
     forward = staticmethod(numba_attention_forward)
     backward = staticmethod(numba_attention_backward)
+    forward_for = staticmethod(numba_forward_for)
     kvcache_forward = staticmethod(numba_kvcache_forward)
     kvcache_step = staticmethod(numba_kvcache_step)
     linear_forward = staticmethod(numba_linear_forward)

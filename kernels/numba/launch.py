@@ -123,6 +123,13 @@ def empty_output(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return tensor
 
 
+def zero_memory(tensor: Tensor) -> None:
+    """Zero a C-contiguous tensor's memory by memset (see `float32_array` on why not a
+    torch op)."""
+    if tensor.numel() > 0:
+        ctypes.memset(tensor.data_ptr(), 0, tensor.numel() * tensor.element_size())
+
+
 def _output(shape: tuple[int, ...], dtype: torch.dtype, ctype, zero: bool):
     tensor = empty_output(shape, dtype)
     if tensor.numel() == 0:
@@ -151,6 +158,15 @@ def memory_of(tensor: Tensor) -> tuple[int, tuple[int, ...], np.ndarray]:
     return tensor.data_ptr(), tuple(tensor.shape), ELEMENTS[tensor.dtype]
 
 
+def strided_memory(tensor: Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], np.ndarray]:
+    """An fp32, bf16 or int8 tensor's memory at any strides, as a kernel's `strided_at`
+    reads it: (address, shape, strides in bytes, an empty array of its element type; bf16
+    as uint16 bits). The caller keeps the tensor alive through the call."""
+    size = tensor.element_size()
+    strides = tuple(stride * size for stride in tensor.stride())
+    return tensor.data_ptr(), tuple(tensor.shape), strides, ELEMENTS[tensor.dtype]
+
+
 def any_layout(array: np.ndarray) -> np.ndarray:
     """`array` behind a leading dim of 2 at stride 0, which a kernel reads as `array[0]`:
     numba then types it with layout "A" whatever its strides, so that one compiled kernel
@@ -175,8 +191,8 @@ def as_bf16_bits(tensor: Tensor) -> np.ndarray:
     return as_numpy(tensor.view(torch.int16)).view(np.uint16)
 
 
-def as_fp32(tensor: Tensor) -> np.ndarray:
-    """An fp32 array of `tensor` for the kernels: a view where BLAS can read it in place
+def fp32_operand(tensor: Tensor) -> Tensor:
+    """`tensor` as the kernels read fp32 operands: itself where BLAS can read it in place
     (fp32, unit stride along the head dim, rows apart: a (B, L, H, E) tensor viewed as
     (B, H, L, E), say), else an fp32 contiguous copy."""
     tensor = tensor.detach()
@@ -185,4 +201,9 @@ def as_fp32(tensor: Tensor) -> np.ndarray:
         and tensor.stride(-1) == 1
         and tensor.stride(-2) >= max(tensor.shape[-1], 1)
     )
-    return as_numpy(tensor if in_place else tensor.to(torch.float32).contiguous())
+    return tensor if in_place else tensor.to(torch.float32).contiguous()
+
+
+def as_fp32(tensor: Tensor) -> np.ndarray:
+    """An fp32 array of `tensor` for the kernels: a view of `fp32_operand`'s tensor."""
+    return as_numpy(fp32_operand(tensor))
