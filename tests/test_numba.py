@@ -394,3 +394,20 @@ def test_forward_workspaces_hold_every_tile_of_the_call(keys, by_rows):
                 *_, tile = attention.packed_tile_buffers(0, rows, width, 24, like is u16)
                 needed = -(-kv // 64) * 64 + tile + 64
                 assert needed <= attention.packed_workspace_bytes(keys, 40, 24, 64, 64, like)
+
+
+@numba.njit
+def _through_unowned(x):
+    view = jit.unowned(x)
+    view[0, 1] = -1.0
+    return view.shape, view.strides, view[1].sum()
+
+
+def test_unowned_is_the_same_array():
+    """`jit.unowned`: the same memory, shape and strides (a strided view too), writes
+    reaching the owner's memory."""
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    for x in (base, base[:, ::2]):
+        shape, strides, row_sum = _through_unowned(x)
+        assert shape == x.shape and strides == x.strides and row_sum == x[1].sum()
+        assert x[0, 1] == -1.0

@@ -30,6 +30,7 @@ from attnperf.kernels.numba.jit import (
     row_view,
     split_index,
     strided_at,
+    unowned,
     wide_vectors,
 )
 from attnperf.kernels.numba.launch import (
@@ -741,7 +742,7 @@ def scores_to_probabilities(p, dtanh, variant, b, h, i0, j0, rows, cols, structu
     modify_scores(p, variant, b, h, i0, j0, rows, cols, structure, dtanh)
     for r in range(rows):
         total = stats[i0 + r, 1]
-        exp2_shifted(p[r], cols, stats[i0 + r, 0], 1.0 / total if total != 0 else 0.0)
+        exp2_shifted(row_view(p, r), cols, stats[i0 + r, 0], 1.0 / total if total != 0 else 0.0)
 
 
 @njit(fastmath=FASTMATH)
@@ -932,6 +933,7 @@ def pair_rows(x, rows, cols, pairs):
     """pairs[:ceil(rows / 2), :2 cols] <- x[:rows, :cols] rounded to bf16, its rows in
     pairs (the VNNI layout over rows): pairs[d, 2 c + u] = x[2 d + u, c], a zero row after
     an odd last one."""
+    x, pairs = unowned(x), unowned(pairs)  # no reference counted per row's view
     for d in range((rows + 1) // 2):
         top, out = x[2 * d], pairs[d]
         if 2 * d + 1 < rows:

@@ -84,6 +84,20 @@ def data_address(typingctx, array):
     return types.intp(array), codegen
 
 
+@intrinsic
+def unowned(typingctx, array):
+    """`array` (same type) holding no reference to its memory: the views, tuples and calls
+    made of it then count none (see `row_view`); the caller keeps `array` alive."""
+
+    def codegen(context, builder, signature, args):
+        view = context.make_array(signature.args[0])(context, builder, args[0])
+        view.meminfo = cgutils.get_null_value(view.meminfo.type)
+        view.parent = cgutils.get_null_value(view.parent.type)
+        return view._getvalue()
+
+    return array(array), codegen
+
+
 @njit()
 def row_view(matrix, r):
     """matrix[r] of a C-contiguous 2-D array, as a view that holds no reference to the
