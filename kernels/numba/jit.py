@@ -87,7 +87,9 @@ def data_address(typingctx, array):
 @intrinsic
 def unowned(typingctx, array):
     """`array` (same type) holding no reference to its memory: the views, tuples and calls
-    made of it then count none (see `row_view`); the caller keeps `array` alive."""
+    made of it then count none (see `row_view`). Only of an array held elsewhere while the
+    result lives, as a function's argument is by its caller: numba frees a local array
+    right after its last use, which `unowned` would be."""
 
     def codegen(context, builder, signature, args):
         view = context.make_array(signature.args[0])(context, builder, args[0])
