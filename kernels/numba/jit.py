@@ -134,9 +134,9 @@ def array_at(memory):
 @intrinsic
 def strided_array(typingctx, address, shape, strides, like):
     """A read-only array of like's dtype at `address` (an int), of `shape` and `strides`
-    (tuples of ints, strides in bytes), holding no reference to the memory: typed as
-    `launch.any_layout`'s views index (layout "A", read-only), so that kernels compiled for
-    those serve it."""
+    (tuples of ints, strides in elements, as torch counts them), holding no reference to the
+    memory: typed as `launch.any_layout`'s views index (layout "A", read-only), so that
+    kernels compiled for those serve it."""
     array_type = types.Array(like.dtype, shape.count, "A", readonly=True)
 
     def codegen(context, builder, signature, args):
@@ -144,9 +144,10 @@ def strided_array(typingctx, address, shape, strides, like):
         data = builder.inttoptr(args[0], context.get_value_type(types.CPointer(like.dtype)))
         itemsize = context.get_constant(types.intp, context.get_abi_sizeof(
             context.get_data_type(like.dtype)))  # fmt: skip
+        strides = [builder.mul(stride, itemsize) for stride in
+                   cgutils.unpack_tuple(builder, args[2])]  # fmt: skip
         populate_array(array, data=data, shape=cgutils.unpack_tuple(builder, args[1]),
-                       strides=cgutils.unpack_tuple(builder, args[2]), itemsize=itemsize,
-                       meminfo=None)  # fmt: skip
+                       strides=strides, itemsize=itemsize, meminfo=None)  # fmt: skip
         return array._getvalue()
 
     return array_type(address, shape, strides, like), codegen
@@ -154,7 +155,7 @@ def strided_array(typingctx, address, shape, strides, like):
 
 @njit()
 def strided_at(memory):
-    """The array in memory = (address, shape, strides in bytes, an empty array of its
+    """The array in memory = (address, shape, strides in elements, an empty array of its
     dtype) that a torch tensor owns, at any strides (`launch.strided_memory`), as a
     read-only layout "A" array (`strided_array`)."""
     address, shape, strides, like = memory

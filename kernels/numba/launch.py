@@ -160,11 +160,9 @@ def memory_of(tensor: Tensor) -> tuple[int, tuple[int, ...], np.ndarray]:
 
 def strided_memory(tensor: Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], np.ndarray]:
     """An fp32, bf16 or int8 tensor's memory at any strides, as a kernel's `strided_at`
-    reads it: (address, shape, strides in bytes, an empty array of its element type; bf16
-    as uint16 bits). The caller keeps the tensor alive through the call."""
-    size = tensor.element_size()
-    strides = tuple(stride * size for stride in tensor.stride())
-    return tensor.data_ptr(), tuple(tensor.shape), strides, ELEMENTS[tensor.dtype]
+    reads it: (address, shape, strides in elements, an empty array of its element type;
+    bf16 as uint16 bits). The caller keeps the tensor alive through the call."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), ELEMENTS[tensor.dtype]
 
 
 def any_layout(array: np.ndarray) -> np.ndarray:
