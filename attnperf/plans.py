@@ -54,7 +54,7 @@ class DensePlan:
     variant: Variant
     backend: Backend
     selection_state: tuple
-    forward: Callable[..., object] | None  # the backend's `forward_for` these calls
+    forward: Callable[..., object] | None  # the backend's `forward_for`: None, none kept
 
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
         """The backend's `run` of a call bound to this plan, on the kept forward if any."""
