@@ -159,6 +159,14 @@ def tile_and_head(variant, q_heads, kv_heads, block_m, item):
 
 
 @njit(fastmath=FASTMATH)
+def run_bounds(run, runs, items):
+    """(first, last + 1) of run `run` of `runs` runs of consecutive items, as even as can
+    be (prange's static schedule)."""
+    run = np.int64(run)  # prange's indices are unsigned
+    return run * items // runs, (run + 1) * items // runs
+
+
+@njit(fastmath=FASTMATH)
 def forward_items(variant, q_heads, block_m):
     """The forward's work items: (sequence, query head, query tile) triples."""
     return variant[4].shape[0] * q_heads * ((longest(variant, 2) + block_m - 1) // block_m)
@@ -212,9 +220,8 @@ def online_softmax_forward(memory, variant, scale, block_m, block_n):
     q, k, v, out, stats = forward_arrays(memory)
     q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], v.shape[3]
     group = q_heads // kv_heads
-    q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     scale2 = scale * LOG2E
-    for item in prange(variant[4].shape[0] * q_heads * q_tiles):
+    for item in prange(forward_items(variant, q_heads, block_m)):
         b, h, slot, q0, i0, rows, k0, kv_len = query_tile(variant, q_heads, block_m, item)
         if rows <= 0:  # past this sequence's end
             continue
@@ -459,7 +466,7 @@ def packed_forward(memory, workspace, variant, scale, block_m, block_n):
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
     for run in prange(runs):
-        first, last = np.int64(run) * items // runs, (np.int64(run) + 1) * items // runs
+        first, last = run_bounds(run, runs, items)
         packed_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n,
                              workspace[run], first, last)  # fmt: skip
 
@@ -678,7 +685,7 @@ def amx_forward(memory, workspace, variant, scale, block_m, block_n):
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
     for run in prange(runs):
-        first, last = np.int64(run) * items // runs, (np.int64(run) + 1) * items // runs
+        first, last = run_bounds(run, runs, items)
         amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n,
                           workspace[run], first, last)  # fmt: skip
 
@@ -1370,10 +1377,9 @@ def amx_tiles(inputs: AttentionInputs) -> bool:
 
 
 def bf16_bits(tensor: Tensor) -> np.ndarray:
-    """`as_bf16_bits`, zero-padded to an even E (the micro-kernel takes depth in pairs)."""
-    if tensor.shape[-1] % 2:
-        tensor = torch.nn.functional.pad(tensor.detach(), (0, 1))
-    return as_bf16_bits(tensor)
+    """`as_bf16_bits` of `bf16_operand`: zero-padded to an even E (the micro-kernel takes
+    depth in pairs)."""
+    return as_bf16_bits(bf16_operand(tensor))
 
 
 def bf16_operand(tensor: Tensor) -> Tensor:

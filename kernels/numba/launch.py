@@ -108,12 +108,6 @@ def float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, n
     return _output(shape, torch.float32, ctypes.c_float, zero)
 
 
-def bf16_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, np.ndarray]:
-    """`float32_array` for a bf16 result: a new bf16 tensor and its bits (uint16) for the
-    kernels to write rounded, with no fp32 copy to convert afterwards."""
-    return _output(shape, torch.bfloat16, ctypes.c_uint16, zero)
-
-
 def empty_output(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """A new tensor for a kernel to write, in huge pages where it spans some."""
     tensor = torch.empty(shape, dtype=dtype)
@@ -134,9 +128,8 @@ def _output(shape: tuple[int, ...], dtype: torch.dtype, ctype, zero: bool):
     tensor = empty_output(shape, dtype)
     if tensor.numel() == 0:
         return tensor, np.zeros(shape, np.dtype(ctype))
-    size = tensor.numel() * tensor.element_size()
     if zero:
-        ctypes.memset(tensor.data_ptr(), 0, size)
+        zero_memory(tensor)
     memory = (ctype * tensor.numel()).from_address(tensor.data_ptr())
     return tensor, np.ctypeslib.as_array(memory).reshape(shape)
 
