@@ -270,6 +270,32 @@ def test_forward_and_gradients_at_realistic_size_keep_the_2x_rule(dtype, causal)
     assert_results_and_gradients_agree(call)
 
 
+def _realistic_mask(kind, dtype, length):
+    """transformers' masks at a realistic size: causal bool; causal with batch 0's first
+    300 keys padded (float, -inf: its first 300 rows see no key); causal of finfo.min."""
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    if kind == "causal bool":
+        return causal
+    if kind == "padded causal -inf":
+        keep = causal.expand(2, 1, length, length).clone()
+        keep[0, ..., :300] = False
+        return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+    return torch.zeros(length, length, dtype=dtype).masked_fill(~causal, torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mask", ["causal bool", "padded causal -inf", "causal finfo.min"])
+def test_masks_at_realistic_size_keep_the_2x_rule(dtype, mask):
+    """L = 1024, GQA: tiles that the mask shuts (skipped), opens, sieves and adds values to
+    (finfo.min), forward and gradients."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 1024, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 2, 1024, 64, generator=gen).to(dtype) for _ in range(2))
+    call = {"query": q, "key": k, "value": v, "enable_gqa": True,
+            "attn_mask": _realistic_mask(mask, dtype, 1024)}  # fmt: skip
+    assert_results_and_gradients_agree(call)
+
+
 @pytest.mark.parametrize("head_dim", [1, 40, 59, 100, 256])
 def test_bf16_forward_and_gradients_keep_the_2x_rule_at_odd_head_dims(head_dim):
     """E not a multiple of the vector width (odd E runs on a zero column more); odd query
@@ -291,7 +317,7 @@ def assert_results_and_gradients_agree(call):
     results = {}
     for name, run in runs.items():
         args = {key: value.clone().requires_grad_() for key, value in call.items()
-                if isinstance(value, torch.Tensor)}  # fmt: skip
+                if isinstance(value, torch.Tensor) and key != "attn_mask"}  # fmt: skip
         cast = {key: value.double() if name == "exact" else value for key, value in args.items()}
         out = run(**{**call, **cast})
         assert out.shape == call["query"].shape[:-1] + call["value"].shape[-1:]

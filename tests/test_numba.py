@@ -215,8 +215,9 @@ def test_any_layout_gives_every_layout_one_numba_type():
 
 def test_forward_kernels_read_q_k_v_in_place_at_any_strides(monkeypatch):
     """The launcher hands the forward kernel q, k and v's own memory at their own strides
-    (`launch.strided_memory`), (B, L, H, E) views too: no copy; a mask reaches it as
-    layout "A" (`launch.any_layout`), with and without one the same kernel."""
+    (`launch.strided_memory`), (B, L, H, E) views too: no copy; with and without a mask
+    the variant has one numba type (the mask by blocks: `variant._mask_for_kernel`), so
+    one compiled kernel serves both."""
     launched = []
 
     def run_parallel(kernel, *args):
@@ -227,6 +228,7 @@ def test_forward_kernels_read_q_k_v_in_place_at_any_strides(monkeypatch):
     q, k, v = (torch.randn(1, 3, 32, 16) for _ in range(3))
     blhe = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     variant_at = {attention.online_softmax_forward: 1, attention.packed_forward: 2}
+    variant_types = set()
     for tensors in ((q, k, v), blhe):
         for mask in (None, torch.randn(32, 32)):
             attnperf.attention(*tensors, attn_mask=mask, backend="numba")
@@ -235,9 +237,8 @@ def test_forward_kernels_read_q_k_v_in_place_at_any_strides(monkeypatch):
                 assert address == tensor.data_ptr() and shape == tuple(tensor.shape)
                 for size, stride, own in zip(shape, strides, tensor.stride(), strict=True):
                     assert size == 1 or stride == own, (strides, tensor.stride())
-            variant = args[variant_at[kernel]]
-            assert numba.typeof(variant[0]).layout == "A", (kernel, numba.typeof(variant[0]))
-    assert not launched
+            variant_types.add((kernel, numba.typeof(args[variant_at[kernel]])))
+    assert not launched and len(variant_types) == 1
 
 
 def test_bf16_backward_runs_on_bf16_tiles(monkeypatch):
@@ -411,3 +412,75 @@ def test_unowned_is_the_same_array():
         shape, strides, row_sum = _through_unowned(x)
         assert shape == x.shape and strides == x.strides and row_sum == x[1].sum()
         assert x[0, 1] == -1.0
+
+
+def _structured_mask(dtype):
+    """A 37 x 50 mask (blocks of 16: 3 x 4, the last row and column of blocks cut short)
+    and the kind of each block: open, shut, sieve, and for a float mask values, and -0.0,
+    which adds nothing but is not 0.0."""
+    opened, shut = (True, False) if dtype == torch.bool else (0.0, float("-inf"))
+    mask = torch.full((37, 50), opened, dtype=dtype)
+    mask[:16, 16:32] = shut
+    mask[16:32:2, :16] = shut
+    mask[32:, 48:] = shut
+    o, s, e, v = variant.MASK_OPEN, variant.MASK_SHUT, variant.MASK_SIEVE, variant.MASK_VALUES
+    kinds = [[o, s, o, o], [e, o, o, o], [o, o, o, s]]
+    if dtype != torch.bool:
+        mask[20, 20] = 0.5
+        mask[0, 40] = -0.0
+        kinds[1][1], kinds[0][2] = v, e
+    return mask, kinds
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.float16, torch.float32])
+def test_mask_blocks_name_what_the_mask_does_to_each_block(dtype):
+    """`_mask_for_kernel`: each 16 x 16 block's kind, and the elements of the blocks that
+    the kernels read (sieve and values) in base 2, for each mask dtype; a mask broadcast
+    over heads keeps one summary per head's view."""
+    mask, kinds = _structured_mask(dtype)
+    q = torch.randn(1, 2, 37, 8, dtype=dtype if dtype != torch.bool else torch.float32)
+    k = v = torch.randn(1, 2, 50, 8, dtype=q.dtype)
+    values, kind, blocks, index = variant._mask_for_kernel(prepare(q, k, v, attn_mask=mask))
+    assert kind == (variant.MASK_BOOL if dtype == torch.bool else variant.MASK_FLOAT)
+    assert blocks.shape[1:] == index.shape[1:] == (1, 2, 3, 4)
+    assert (blocks[0, 0, 1] == np.array(kinds, np.int8)).all()
+    assert ((index[0] >= 0) == (blocks[0] >= variant.MASK_SIEVE)).all()
+    if dtype == torch.bool:
+        base2 = torch.where(mask, 0.0, float("-inf"))
+    else:
+        base2 = (mask.double() * variant.LOG2E).float()
+    for qb, kb in zip(*np.nonzero(index[0, 0, 0] >= 0), strict=True):
+        expected = base2[16 * qb : 16 * qb + 16, 16 * kb : 16 * kb + 16]
+        rows, cols = expected.shape
+        block = torch.from_numpy(values[index[0, 0, 0, qb, kb], :rows, :cols])
+        assert torch.equal(block, expected)
+
+
+def test_a_broadcast_row_of_keys_summarises_every_row_block():
+    """A padding mask (B, 1, 1, S): its one row stands for all L rows, in the summary and
+    in the elements read."""
+    mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    mask[0, ..., 3:20] = False
+    q, k = torch.randn(2, 3, 37, 8), torch.randn(2, 3, 40, 8)
+    values, _, blocks, index = variant._mask_for_kernel(prepare(q, k, k, attn_mask=mask))
+    s, e, o = variant.MASK_SHUT, variant.MASK_SIEVE, variant.MASK_OPEN
+    assert (blocks[0, 0] == np.array([e, e, o], np.int8)).all()  # each head, each row block
+    assert (blocks[0, 1] == o).all()
+    assert s not in blocks[0]
+    row = np.where(mask[0, 0, 0, :32].numpy(), 0.0, -np.inf).astype(np.float32)
+    for qb in range(3):
+        read = np.concatenate([values[index[0, 0, 2, qb, kb]] for kb in range(2)], axis=1)
+        assert (read == row).all()  # every row of the block is the mask's one row
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_causal_mask_gives_is_causal_s_output_exactly(dtype):
+    """The tiles a causal bool mask shuts are skipped and the rest computed as is_causal
+    computes them: the same key tiles, the same scores, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 1000, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, 1000, 64, generator=gen).to(dtype) for _ in range(2))
+    causal = torch.ones(1000, 1000, dtype=torch.bool).tril()
+    masked = attnperf.attention(q, k, v, attn_mask=causal, enable_gqa=True, backend="numba")
+    plain = attnperf.attention(q, k, v, is_causal=True, enable_gqa=True, backend="numba")
+    assert torch.equal(masked, plain)

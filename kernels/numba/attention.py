@@ -65,9 +65,9 @@ from attnperf.kernels.numba.microkernels import (
 )
 from attnperf.kernels.numba.tiles import OWN_TILES, product, tiles_flag
 from attnperf.kernels.numba.variant import (
-    MASK_NONE,
     MASKED,
     SKIP,
+    adds_mask_values,
     changes_values,
     key_tiles,
     longest,
@@ -605,7 +605,8 @@ def amx_query_tile(q, k, values, variant, scale, out, stats, block_m, block_n, t
         # band and the block layout only set -inf (a causal tile's pass over its scores
         # cost as much as its maxima).
         factor = scale2
-        if scale2 <= 0 or changes_values(variant):
+        if (scale2 <= 0 or changes_values(variant)
+                or adds_mask_values(variant, b, h, i0, rows, j0, cols)):  # fmt: skip
             scale_scores(s_t, cols, tile_rows, scale2)
             factor = ONE
         if factor == ONE or structure == MASKED:
@@ -621,9 +622,9 @@ def amx_query_tile(q, k, values, variant, scale, out, stats, block_m, block_n, t
 
 @njit(fastmath=FASTMATH)
 def scores_by_rows(variant):
-    """Whether `modify_transposed_scores` takes a tile's scores by rows (a mask or a block
-    layout), into a buffer of its own."""
-    return variant[1] != MASK_NONE or variant[10] != 0
+    """Whether `modify_transposed_scores` takes a tile's scores by rows (a block layout),
+    into a buffer of its own."""
+    return variant[10] != 0
 
 
 @njit(fastmath=FASTMATH)

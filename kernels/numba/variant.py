@@ -10,9 +10,9 @@ from torch import Tensor
 
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.amx import whole_tiles
-from attnperf.kernels.numba.fastmath import LOG2E, base2_bias, tanh
-from attnperf.kernels.numba.jit import FASTMATH, njit
-from attnperf.kernels.numba.launch import any_layout, as_numpy
+from attnperf.kernels.numba.fastmath import LOG2E, base2_bias, tanh, widen
+from attnperf.kernels.numba.jit import FASTMATH, njit, prange
+from attnperf.kernels.numba.launch import any_layout, as_numpy, run_parallel
 from attnperf.kernels.numba.microkernels import transpose_tile
 from attnperf.kernels.numba.tiles import tiles_flag
 from attnperf.layouts import EMPTY as LAYOUT_EMPTY
@@ -20,19 +20,31 @@ from attnperf.layouts import FULL as LAYOUT_FULL
 from attnperf.serving import KVCacheInputs
 
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+# An attn_mask is summarised once per call by blocks of MASK_BLOCK query rows by MASK_BLOCK
+# keys (`summarise_mask`): OPEN where it lets every key through (True, 0.0), SHUT where it
+# lets none (False, -inf), SIEVE where it does one or the other to each (a bool mask's
+# other blocks), VALUES where a float mask adds other values. Tiles skip what it shuts,
+# leave alone what it opens, and take a tile with no VALUES block unscaled (-inf stays
+# -inf), so that a causal or padding mask costs about what is_causal does: SDPA adds the
+# whole mask to every score. A tile is summarised by the same kinds (`mask_tile`).
+MASK_BLOCK = 16
+MASK_OPEN, MASK_SHUT, MASK_SIEVE, MASK_VALUES = 0, 1, 2, 3
 
 
 # ---------------------------------------------------------------------------- the variant
 # A call's variant lowered once (`lower_variant`) into one tuple that every kernel passes on:
 # (mask, mask_kind, left, right, sequences, softcap2, alibi2, kinds, partial_index, partial,
-#  block_q, block_k, sinks2, tiles). The band is left/right around each row's diagonal i + offset
-# (UNBOUNDED when open); sequences (B, 6) is attnperf.inputs.Sequences' table (slot, q_start,
-# q_len, k_start, k_len, offset), one row per batch entry for a plain call: row indices i, j
-# are within a sequence, its arrays' rows start at q_start, k_start of batch entry `slot`;
-# mask (B, Hq, L, S) behind `any_layout`'s leading dim;
-# softcap2 = softcap * log2(e), 0 without; alibi2 (B, Hq) = slopes * log2(e), empty
-# without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without; sinks2 (Hq,)
-# = sinks * log2(e), empty without; tiles: the fp32 tile products' route (tiles.product).
+#  block_q, block_k, sinks2, tiles, mask_blocks, mask_index). The band is left/right around
+# each row's diagonal i + offset (UNBOUNDED when open); sequences (B, 6) is
+# attnperf.inputs.Sequences' table (slot, q_start, q_len, k_start, k_len, offset), one row per
+# batch entry for a plain call: row indices i, j are within a sequence, its arrays' rows start
+# at q_start, k_start of batch entry `slot`; the attn_mask by blocks (`_mask_for_kernel`):
+# mask (P, MASK_BLOCK, MASK_BLOCK) the elements of the blocks that it reads, mask_blocks and
+# mask_index (B, Hq, ceil(L / MASK_BLOCK), ceil(S / MASK_BLOCK)) behind `any_layout`'s
+# leading dim; softcap2 = softcap * log2(e), 0 without; alibi2 (B, Hq) = slopes * log2(e),
+# empty without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without; sinks2
+# (Hq,) = sinks * log2(e), empty without; tiles: the fp32 tile products' route
+# (tiles.product).
 UNBOUNDED = 1 << 40
 SKIP, MASKED, UNMASKED = 0, 1, 2  # what a (query tile, key tile) needs from the structure
 
@@ -88,6 +100,11 @@ def tile_structure(variant, b, h, i0, rows, j0, cols):
     nearest = j0 - (i0 + rows - 1) - offset
     farthest = j0 + cols - 1 - i0 - offset
     result = UNMASKED if nearest >= -left and farthest <= right else MASKED
+    masked = mask_tile(variant, b, h, i0, rows, j0, cols)
+    if masked == MASK_SHUT:
+        return SKIP
+    if masked != MASK_OPEN:
+        result = MASKED
     kinds, block_q, block_k = variant[7], variant[10], variant[11]
     if block_q == 0:
         return result
@@ -102,12 +119,48 @@ def tile_structure(variant, b, h, i0, rows, j0, cols):
 
 
 @njit()
+def mask_tile(variant, b, h, i0, rows, j0, cols):
+    """What the attn_mask does to one tile: MASK_VALUES if one of its blocks adds values,
+    MASK_OPEN if all are open (or no mask), MASK_SHUT if all are shut, else MASK_SIEVE."""
+    if variant[1] == MASK_NONE:
+        return MASK_OPEN
+    blocks = variant[14]
+    opened = shut = True
+    for qb in range(i0 // MASK_BLOCK, (i0 + rows - 1) // MASK_BLOCK + 1):
+        for kb in range(j0 // MASK_BLOCK, (j0 + cols - 1) // MASK_BLOCK + 1):
+            kind = blocks[0, b, h, qb, kb]
+            if kind == MASK_VALUES:
+                return MASK_VALUES
+            opened = opened and kind == MASK_OPEN
+            shut = shut and kind == MASK_SHUT
+    return MASK_OPEN if opened else MASK_SHUT if shut else MASK_SIEVE
+
+
+@njit()
+def mask_key_range(variant, b, h, i0, rows, first, end):
+    """[first, end) narrowed to the attn_mask's blocks that are not shut for query rows
+    i0 .. i0 + rows - 1 (still whole multiples of 16 keys): a causal mask's last tile ends
+    at its diagonal, as is_causal's does."""
+    if variant[1] == MASK_NONE or first >= end:
+        return first, end
+    blocks = variant[14]
+    low, high = end, first
+    for qb in range(i0 // MASK_BLOCK, (i0 + rows - 1) // MASK_BLOCK + 1):
+        for kb in range(first // MASK_BLOCK, (end - 1) // MASK_BLOCK + 1):
+            if blocks[0, b, h, qb, kb] != MASK_SHUT:
+                low = min(low, kb * MASK_BLOCK)
+                high = max(high, (kb + 1) * MASK_BLOCK)
+    return max(first, low), min(end, max(high, low))
+
+
+@njit()
 def key_tiles(variant, b, h, i0, rows, kv_len, block_n):
     """The key tiles that query rows i0 .. i0 + rows - 1 must visit, as (j0, cols,
     structure) with structure MASKED or UNMASKED: the tile range of the band, without the
     tiles that the block layout leaves empty."""
     tiles = []
     first, end = key_range(variant, b, i0, rows, kv_len)
+    first, end = mask_key_range(variant, b, h, i0, rows, first, end)
     for j0 in range(first, end, block_n):
         cols = min(block_n, end - j0)
         structure = tile_structure(variant, b, h, i0, rows, j0, cols)
@@ -125,11 +178,17 @@ def modifies_scores(variant, structure):
 
 @njit()
 def changes_values(variant):
-    """Whether modify_scores changes scores' values (a softcap, a mask, ALiBi: each on the
-    scaled scores), not only sets some to -inf (the band, the block layout), which the
-    scale leaves as they are."""
-    mask_kind, softcap2, alibi2 = variant[1], variant[5], variant[6]
-    return mask_kind != MASK_NONE or softcap2 != 0 or alibi2.shape[0] > 0
+    """Whether modify_scores changes every tile's scores' values (a softcap, ALiBi: each on
+    the scaled scores), not only sets some to -inf (the band, the block layout), which the
+    scale leaves as they are. A float mask's values change a MASKED tile's where
+    `adds_mask_values`."""
+    return variant[5] != 0 or variant[6].shape[0] > 0
+
+
+@njit()
+def adds_mask_values(variant, b, h, i0, rows, j0, cols):
+    """Whether a float attn_mask adds values other than 0 and -inf to a tile's scores."""
+    return mask_tile(variant, b, h, i0, rows, j0, cols) == MASK_VALUES
 
 
 @njit(fastmath=FASTMATH)
@@ -141,7 +200,8 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
     gradient factor for the backward.
     """
     softcap_scores(s, rows, cols, variant[5], dtanh)
-    mask_scores(s, variant, b, h, i0, j0, rows, cols)
+    if structure == MASKED:
+        mask_scores(s, False, variant, b, h, i0, j0, rows, cols)
     alibi2, offset = variant[6], variant[4][b, 5]
     if alibi2.shape[0] > 0:
         slope = alibi2[b, h]
@@ -167,10 +227,9 @@ def modify_transposed_scores(s_t, s_rows, variant, b, h, i0, j0, rows, cols, str
     """`modify_scores` (forward: no dtanh) of a tile held transposed, s_t[c, r] the score
     of query row i0 + r and key j0 + c (s_t's columns whole sixteens). The
     softcap, ALiBi and the band run down each key's row of query rows, vectorised as
-    `modify_scores`' rows are; with an attn_mask or a block layout to apply (read by rows)
-    the tile goes through s_rows (rows by cols) by rows and back: by the transposed view, a
-    causal float mask's forward took 2x the time."""
-    if variant[1] != MASK_NONE or (structure == MASKED and variant[10] != 0):
+    `modify_scores`' rows are, and the attn_mask by its blocks; with a block layout to apply
+    (read by rows) the tile goes through s_rows (rows by cols) by rows and back."""
+    if structure == MASKED and variant[10] != 0:
         keys = whole_tiles(cols)
         transpose_tile(s_t, s_rows, keys, s_t.shape[1])
         modify_scores(s_rows, variant, b, h, i0, j0, rows, cols, structure,
@@ -178,6 +237,8 @@ def modify_transposed_scores(s_t, s_rows, variant, b, h, i0, j0, rows, cols, str
         transpose_tile(s_rows, s_t, s_t.shape[1], keys)
         return
     softcap_scores(s_t, cols, rows, variant[5], np.empty((0, 0), np.float32))
+    if structure == MASKED:
+        mask_scores(s_t, True, variant, b, h, i0, j0, rows, cols)
     alibi2, offset = variant[6], variant[4][b, 5]
     if alibi2.shape[0] > 0:
         slope = alibi2[b, h]
@@ -220,18 +281,31 @@ def softcap_scores(s, rows, cols, softcap2, dtanh):
 
 
 @njit(fastmath=FASTMATH)
-def mask_scores(s, variant, b, h, i0, j0, rows, cols):
-    """The attn_mask added to a tile's scores (a bool mask's False as -inf)."""
-    mask, mask_kind = variant[0], variant[1]
-    if mask_kind == MASK_FLOAT:
-        for r in range(rows):
-            for c in range(cols):
-                s[r, c] += base2_bias(mask[0, b, h, i0 + r, j0 + c])
-    elif mask_kind == MASK_BOOL:
-        for r in range(rows):
-            for c in range(cols):
-                if not mask[0, b, h, i0 + r, j0 + c]:
-                    s[r, c] += -np.inf  # like SDPA: a NaN score stays NaN
+def mask_scores(s, transposed, variant, b, h, i0, j0, rows, cols):
+    """The attn_mask added to a tile's scores (s[r, c], or s[c, r] if transposed) by its
+    blocks: nothing to an open block, -inf to a shut one, its values to the others (a bool
+    mask's False as -inf; added, not set, so that a NaN score stays NaN, as in SDPA)."""
+    values, blocks = variant[0], variant[14]
+    if variant[1] == MASK_NONE:
+        return
+    for qb in range(i0 // MASK_BLOCK, (i0 + rows - 1) // MASK_BLOCK + 1):
+        r0, r1 = max(qb * MASK_BLOCK - i0, 0), min((qb + 1) * MASK_BLOCK - i0, rows)
+        for kb in range(j0 // MASK_BLOCK, (j0 + cols - 1) // MASK_BLOCK + 1):
+            c0, c1 = max(kb * MASK_BLOCK - j0, 0), min((kb + 1) * MASK_BLOCK - j0, cols)
+            kind = blocks[0, b, h, qb, kb]
+            if kind == MASK_OPEN:
+                continue
+            shut = kind == MASK_SHUT
+            at = variant[15][0, b, h, qb, kb]
+            di, dj = i0 - qb * MASK_BLOCK, j0 - kb * MASK_BLOCK  # the tile's corner in the block
+            if transposed:  # down s's rows, each loop
+                for c in range(c0, c1):
+                    for r in range(r0, r1):
+                        s[c, r] += np.float32(-np.inf) if shut else values[at, di + r, dj + c]
+            else:
+                for r in range(r0, r1):
+                    for c in range(c0, c1):
+                        s[r, c] += np.float32(-np.inf) if shut else values[at, di + r, dj + c]
 
 
 @njit(fastmath=FASTMATH)
@@ -273,33 +347,116 @@ def with_sink(variant, h, row_max, row_sum):
     return largest, np.float32(total), rescale / total
 
 
-NO_MASK = any_layout(np.zeros((1, 1, 1, 1), np.float32))  # read-only: one for every call
+NO_MASK_BLOCKS = any_layout(np.zeros((1, 1, 1, 1), np.int8))  # read-only: one for every call
+NO_MASK_INDEX = any_layout(np.zeros((1, 1, 1, 1), np.int32))
 # The variant's arrays where a call has none of it, one for every call (a decoding step
 # made these afresh each time). Writeable, as a call's own would be: numba types read-only
 # arrays apart, a compilation of their own; the kernels never write them.
+NO_MASK = np.zeros((1, MASK_BLOCK, MASK_BLOCK), np.float32)
 NO_ALIBI = np.zeros((0, 0), np.float32)
 NO_LAYOUT = (np.zeros((1, 1, 1, 1), np.int8), np.zeros((1, 1, 1, 1), np.int32),
              np.zeros((1, 1, 1), np.bool_))  # fmt: skip
 NO_SINKS = np.zeros(0, np.float32)
 
 
-def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int]:
-    """The mask (float32 or bool) as a strided array (broadcast dims keep stride 0), read
-    as `mask[0, b, h, i, j]` (`any_layout`), and its kind."""
+# A mask's elements as the bits `summarise_mask` folds (numpy view, open, shut, also) and
+# the array `gather_mask_blocks` reads (fp16 masks are made float32 first).
+_MASK_BITS = {
+    torch.bool: (np.uint8, 1, 0, 1),
+    torch.bfloat16: (np.uint16, 0, 0xFF80, 0x8000),
+    torch.float32: (np.uint32, 0, 0xFF800000, 0x80000000),
+}
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """(values, kind, blocks, index): the mask summarised by blocks (`summarise_mask`),
+    read as `blocks[0, b, h, qb, kb]`; the sieve and values blocks' elements in base 2
+    (a bool's False -inf, True 0), block `index[0, b, h, qb, kb]` of values (P, MASK_BLOCK,
+    MASK_BLOCK); and the mask's kind. Of a causal mask, the kernels read its diagonal's
+    blocks alone."""
     mask = inputs.attn_mask
     kind = MASK_NONE if mask is None else MASK_BOOL if mask.dtype == torch.bool else MASK_FLOAT
     if kind == MASK_NONE:
-        return NO_MASK, kind
-    if kind == MASK_BOOL:
-        array = as_numpy(mask)
-    else:
-        # Convert only the mask's own elements, then broadcast again: never a full-size copy.
-        compact = mask.detach()
-        for dim in range(4):
-            if compact.stride(dim) == 0:
-                compact = compact.narrow(dim, 0, 1)
-        array = as_numpy(compact.float().expand(mask.shape))
-    return any_layout(array), kind
+        return NO_MASK, kind, NO_MASK_BLOCKS, NO_MASK_INDEX
+    # Summarise only the mask's own elements, then broadcast again: never a full-size copy.
+    compact = mask.detach()
+    for dim in range(4):
+        if compact.stride(dim) == 0:
+            compact = compact.narrow(dim, 0, 1)
+    compact = compact.contiguous() if compact.dtype != torch.float16 else compact.float()
+    unsigned, opened, shut, also = _MASK_BITS[compact.dtype]
+    bits = as_numpy(compact.view(_SAME_SIZE_INT[compact.element_size()])).view(unsigned)
+    shape = (*bits.shape[:2], *(-(-n // MASK_BLOCK) for n in bits.shape[2:]))
+    blocks = np.empty(shape, np.int8)
+    run_parallel(summarise_mask, bits, unsigned(opened), unsigned(shut), unsigned(also), blocks)
+    read = blocks >= MASK_SIEVE
+    index = np.where(read, np.cumsum(read).reshape(shape) - 1, -1).astype(np.int32)
+    values = np.empty((max(int(read.sum()), 1), MASK_BLOCK, MASK_BLOCK), np.float32)
+    elements = bits if compact.dtype != torch.float32 else as_numpy(compact)
+    run_parallel(gather_mask_blocks, elements, kind == MASK_BOOL, index, values)
+    full = (*mask.shape[:2], *(-(-n // MASK_BLOCK) for n in mask.shape[2:]))
+    blocks, index = np.broadcast_to(blocks, full), np.broadcast_to(index, full)
+    return values, kind, any_layout(blocks), any_layout(index)
+
+
+@njit(parallel=True)
+def gather_mask_blocks(mask, boolean, index, values):
+    """values[index[b, h, qb, kb]] <- block (qb, kb) of mask[b, h] (bool as uint8, bf16 as
+    its bits, or float32) in base 2 (a bool's False -inf, True 0), for each block indexed
+    (>= 0). Cells past its last row or column repeat it: a dim of 1 is broadcast, else
+    they are never read."""
+    heads, query_blocks, key_blocks = index.shape[1], index.shape[2], index.shape[3]
+    q_len, kv_len = mask.shape[2], mask.shape[3]
+    for item in prange(index.shape[0] * heads * query_blocks):
+        b, h, qb = item // (heads * query_blocks), item // query_blocks % heads, item % query_blocks
+        for kb in range(key_blocks):
+            at = index[b, h, qb, kb]
+            if at < 0:
+                continue
+            for r in range(MASK_BLOCK):
+                row = mask[b, h, min(qb * MASK_BLOCK + r, q_len - 1)]
+                for c in range(MASK_BLOCK):
+                    x = row[min(kb * MASK_BLOCK + c, kv_len - 1)]
+                    if boolean:
+                        values[at, r, c] = np.float32(0.0) if x else np.float32(-np.inf)
+                    else:
+                        values[at, r, c] = base2_bias(widen(x))
+
+
+@njit(parallel=True)
+def summarise_mask(mask, opened, shut, also, blocks):
+    """blocks[b, h, qb, kb] <- what mask[b, h] does over its block (qb, kb) of MASK_BLOCK x
+    MASK_BLOCK: MASK_OPEN if every element is `opened`, MASK_SHUT if every one is `shut`,
+    MASK_SIEVE if each is one of them (or `also`, which adds nothing either: -0.0), else
+    MASK_VALUES. mask: C-contiguous bits (a bool mask as uint8, bf16 as uint16, float32 as
+    uint32), so that a strip of rows folds into its columns' AND, OR and odd ones as whole
+    vectors (a block at a time ran 6x slower: 1.2 ms for 2048 x 2048 bools)."""
+    heads, query_blocks, key_blocks = blocks.shape[1], blocks.shape[2], blocks.shape[3]
+    q_len, kv_len = mask.shape[2], mask.shape[3]
+    for item in prange(blocks.shape[0] * heads * query_blocks):
+        b, h, qb = item // (heads * query_blocks), item // query_blocks % heads, item % query_blocks
+        r0, r1 = qb * MASK_BLOCK, min((qb + 1) * MASK_BLOCK, q_len)
+        every, some = mask[b, h, r0].copy(), mask[b, h, r0].copy()  # AND, OR of each column
+        odd = np.zeros(kv_len, np.bool_)  # a value other than opened, shut and also
+        for r in range(r0, r1):
+            row = mask[b, h, r]
+            for c in range(kv_len):
+                x = row[c]
+                every[c] &= x
+                some[c] |= x
+                odd[c] |= (x != opened) & (x != shut) & (x != also)
+        for kb in range(key_blocks):
+            c0, c1 = kb * MASK_BLOCK, min((kb + 1) * MASK_BLOCK, kv_len)
+            all_of, any_of, values = every[c0], some[c0], False
+            for c in range(c0, c1):
+                all_of &= every[c]
+                any_of |= some[c]
+                values |= odd[c]
+            kind = MASK_VALUES if values else MASK_SIEVE
+            if all_of == shut and any_of == shut:
+                kind = MASK_SHUT
+            blocks[b, h, qb, kb] = MASK_OPEN if all_of == opened and any_of == opened else kind
 
 
 def balanced_order(table: Tensor, threads: int) -> Tensor | None:
@@ -361,7 +518,7 @@ def with_sequences(lowered: tuple, table: np.ndarray) -> tuple:
 
 
 def _lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
-    mask, mask_kind = _mask_for_kernel(inputs)
+    mask, mask_kind, mask_blocks, mask_index = _mask_for_kernel(inputs)
     variant = inputs.variant
     left, right = inputs.band or (None, None)
     softcap2 = np.float32(variant.softcap * LOG2E if variant.softcap is not None else 0.0)
@@ -394,5 +551,5 @@ def _lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
         mask, mask_kind,
         UNBOUNDED if left is None else left, UNBOUNDED if right is None else right,
         table.numpy(), softcap2, alibi2, kinds, partial_index, partial, block_q,
-        block_k, sinks2, tiles_flag(),
+        block_k, sinks2, tiles_flag(), mask_blocks, mask_index,
     )  # fmt: skip
