@@ -3,8 +3,8 @@
 Forward, 8/2 heads (GQA), E = 128, L = S = 2048 (`--length`), fp32 and bf16, the masks that
 users and transformers pass: causal bool (transformers' sdpa mask), causal with batch 0's
 first quarter of keys padded (bool, B = 2), causal -inf (float), causal finfo.min (float,
-transformers' eager form: every masked element a value to add), and a random bool mask
-(no 16 x 16 block open or shut: every element read); numba's is_causal beside them. Each
+transformers' eager form), and a random bool mask (no 16 x 16 block open or shut: every
+element read); numba's is_causal beside them. Each
 round times a block of calls of each; prints the medians, SDPA's time over numba's (> 1:
 numba faster) and numba's share of the chip's peak over the pairs that the mask lets
 through (4 E FLOPs a pair and head).

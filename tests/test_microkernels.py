@@ -272,22 +272,27 @@ def test_forward_and_gradients_at_realistic_size_keep_the_2x_rule(dtype, causal)
 
 def _realistic_mask(kind, dtype, length):
     """transformers' masks at a realistic size: causal bool; causal with batch 0's first
-    300 keys padded (float, -inf: its first 300 rows see no key); causal of finfo.min."""
+    300 keys padded (float, -inf: its first 300 rows see no key; finfo.min: they average
+    every key); causal of finfo.min."""
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     if kind == "causal bool":
         return causal
-    if kind == "padded causal -inf":
+    if kind.startswith("padded causal"):
         keep = causal.expand(2, 1, length, length).clone()
         keep[0, ..., :300] = False
-        return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+        low = float("-inf") if kind.endswith("-inf") else torch.finfo(dtype).min
+        return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, low)
     return torch.zeros(length, length, dtype=dtype).masked_fill(~causal, torch.finfo(dtype).min)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("mask", ["causal bool", "padded causal -inf", "causal finfo.min"])
+@pytest.mark.parametrize(
+    "mask", ["causal bool", "padded causal -inf", "causal finfo.min", "padded causal finfo.min"]
+)
 def test_masks_at_realistic_size_keep_the_2x_rule(dtype, mask):
-    """L = 1024, GQA: tiles that the mask shuts (skipped), opens, sieves and adds values to
-    (finfo.min), forward and gradients."""
+    """L = 1024, GQA: tiles that the mask shuts (skipped: -inf, and finfo.min where each row
+    sees a key), opens, sieves and adds values to (finfo.min where a row sees none, and
+    fp16's), forward and gradients."""
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 1024, 64, generator=gen).to(dtype)
     k, v = (torch.randn(2, 2, 1024, 64, generator=gen).to(dtype) for _ in range(2))

@@ -416,8 +416,8 @@ def test_unowned_is_the_same_array():
 
 def _structured_mask(dtype):
     """A 37 x 50 mask (blocks of 16: 3 x 4, the last row and column of blocks cut short)
-    and the kind of each block: open, shut, sieve, and for a float mask values, and -0.0,
-    which adds nothing but is not 0.0."""
+    and the kind of each block: open, shut, sieve, and for a float mask values, and -0.0
+    among zeros (open: it adds nothing either) and among -inf (a sieve)."""
     opened, shut = (True, False) if dtype == torch.bool else (0.0, float("-inf"))
     mask = torch.full((37, 50), opened, dtype=dtype)
     mask[:16, 16:32] = shut
@@ -428,7 +428,8 @@ def _structured_mask(dtype):
     if dtype != torch.bool:
         mask[20, 20] = 0.5
         mask[0, 40] = -0.0
-        kinds[1][1], kinds[0][2] = v, e
+        mask[33, 49] = -0.0
+        kinds[1][1], kinds[2][3] = v, e
     return mask, kinds
 
 
@@ -484,3 +485,25 @@ def test_a_causal_mask_gives_is_causal_s_output_exactly(dtype):
     masked = attnperf.attention(q, k, v, attn_mask=causal, enable_gqa=True, backend="numba")
     plain = attnperf.attention(q, k, v, is_causal=True, enable_gqa=True, backend="numba")
     assert torch.equal(masked, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_floor_blocks_are_shut_where_each_row_sees_an_ordinary_key(dtype):
+    """Blocks of finfo.min (a floor: -1e30 or below) are shut where each row of their strip
+    sees a key of ordinary value; a strip with a row of floors alone keeps them as values
+    (that row averages its keys, as in SDPA), and so does a call with a window (it may hide
+    the key); fp16's finfo.min, -65504, is no floor; +-0 blocks are open."""
+    mask = torch.full((40, 48), -0.0, dtype=dtype)
+    mask[:16, :16] = 0.0
+    mask[:, 32:] = torch.finfo(dtype).min
+    mask[16, :] = torch.finfo(dtype).min  # row 16 sees floors alone
+    q = torch.randn(1, 1, 40, 8, dtype=dtype)
+    k = torch.randn(1, 1, 48, 8, dtype=dtype)
+    o, s, v = variant.MASK_OPEN, variant.MASK_SHUT, variant.MASK_VALUES
+    floor = s if dtype != torch.float16 else v
+    expected = [[o, o, floor], [v, v, v], [o, o, floor]]
+    _, _, blocks, _ = variant._mask_for_kernel(prepare(q, k, k, attn_mask=mask))
+    assert (blocks[0, 0, 0] == np.array(expected, np.int8)).all()
+    windowed = prepare(q, k, k, attn_mask=mask, window=(100, 100))
+    _, _, blocks, _ = variant._mask_for_kernel(windowed)
+    assert (blocks[0, 0, 0] == np.array([[o, o, v], [v, v, v], [o, o, v]], np.int8)).all()

@@ -359,13 +359,16 @@ NO_LAYOUT = (np.zeros((1, 1, 1, 1), np.int8), np.zeros((1, 1, 1, 1), np.int32),
 NO_SINKS = np.zeros(0, np.float32)
 
 
-# A mask's elements as the bits `summarise_mask` folds (numpy view, open, shut, also) and
-# the array `gather_mask_blocks` reads (fp16 masks are made float32 first).
+# A mask's elements as the bits `summarise_mask` folds: (numpy view, open, shut, also; for a
+# float mask its sign bit and the magnitudes of -1e30 (the floor), -1e20 (ordinary) and inf,
+# truncated to the format), and the array `gather_mask_blocks` reads (fp16 masks are made
+# float32 first). A bool mask's sign 0 makes no element a floor.
 _MASK_BITS = {
-    torch.bool: (np.uint8, 1, 0, 1),
-    torch.bfloat16: (np.uint16, 0, 0xFF80, 0x8000),
-    torch.float32: (np.uint32, 0, 0xFF800000, 0x80000000),
-}
+    torch.bool: (np.uint8, 1, 0, 1, 0, 0, 0, 0),
+    torch.bfloat16: (np.uint16, 0, 0xFF80, 0x8000, 0x8000, 0x7149, 0x60AD, 0x7F80),
+    torch.float32: (np.uint32, 0, 0xFF800000, 0x80000000, 0x80000000, 0x7149F2CA,
+                    0x60AD78EC, 0x7F800000),
+}  # fmt: skip
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
@@ -385,11 +388,15 @@ def _mask_for_kernel(inputs: AttentionInputs) -> tuple[np.ndarray, int, np.ndarr
         if compact.stride(dim) == 0:
             compact = compact.narrow(dim, 0, 1)
     compact = compact.contiguous() if compact.dtype != torch.float16 else compact.float()
-    unsigned, opened, shut, also = _MASK_BITS[compact.dtype]
+    unsigned, *marks = _MASK_BITS[compact.dtype]
     bits = as_numpy(compact.view(_SAME_SIZE_INT[compact.element_size()])).view(unsigned)
     shape = (*bits.shape[:2], *(-(-n // MASK_BLOCK) for n in bits.shape[2:]))
     blocks = np.empty(shape, np.int8)
-    run_parallel(summarise_mask, bits, unsigned(opened), unsigned(shut), unsigned(also), blocks)
+    # Floors add exactly nothing to a row that sees a key of ordinary value, unless a band
+    # or a layout may hide that key (`summarise_mask`).
+    floors_shut = kind == MASK_FLOAT and inputs.band is None and inputs.variant.block_mask is None
+    run_parallel(summarise_mask, bits, tuple(unsigned(mark) for mark in marks), floors_shut,
+                 blocks)  # fmt: skip
     read = blocks >= MASK_SIEVE
     index = np.where(read, np.cumsum(read).reshape(shape) - 1, -1).astype(np.int32)
     values = np.empty((max(int(read.sum()), 1), MASK_BLOCK, MASK_BLOCK), np.float32)
@@ -425,13 +432,21 @@ def gather_mask_blocks(mask, boolean, index, values):
 
 
 @njit(parallel=True)
-def summarise_mask(mask, opened, shut, also, blocks):
+def summarise_mask(mask, marks, floors_shut, blocks):
     """blocks[b, h, qb, kb] <- what mask[b, h] does over its block (qb, kb) of MASK_BLOCK x
-    MASK_BLOCK: MASK_OPEN if every element is `opened`, MASK_SHUT if every one is `shut`,
-    MASK_SIEVE if each is one of them (or `also`, which adds nothing either: -0.0), else
-    MASK_VALUES. mask: C-contiguous bits (a bool mask as uint8, bf16 as uint16, float32 as
-    uint32), so that a strip of rows folds into its columns' AND, OR and odd ones as whole
-    vectors (a block at a time ran 6x slower: 1.2 ms for 2048 x 2048 bools)."""
+    MASK_BLOCK: MASK_OPEN if every element is `opened` (or -0.0), MASK_SHUT if every one is
+    `shut`, MASK_SIEVE if each is one of them (or `also`, which adds nothing either: -0.0),
+    else MASK_VALUES. marks: (opened, shut, also, sign, floor, ordinary, inf) (`_MASK_BITS`).
+
+    With floors_shut, a block of floors (-1e30 or below: finfo.min, -inf) is shut too where
+    each row of its strip sees an ordinary key (-1e20 or above, not NaN): 2 ** (floor -
+    ordinary) is exactly 0 in float32 for every score under 1e29, so such keys add nothing
+    (a row of floors alone averages them, as in SDPA: kept).
+
+    mask: C-contiguous bits (a bool mask as uint8, bf16 as uint16, float32 as uint32), so
+    that a strip of rows folds into its columns' AND, OR and odd ones as whole vectors (a
+    block at a time ran 6x slower: 1.2 ms for 2048 x 2048 bools)."""
+    opened, shut, also, sign, floor, ordinary, inf = marks
     heads, query_blocks, key_blocks = blocks.shape[1], blocks.shape[2], blocks.shape[3]
     q_len, kv_len = mask.shape[2], mask.shape[3]
     for item in prange(blocks.shape[0] * heads * query_blocks):
@@ -439,6 +454,8 @@ def summarise_mask(mask, opened, shut, also, blocks):
         r0, r1 = qb * MASK_BLOCK, min((qb + 1) * MASK_BLOCK, q_len)
         every, some = mask[b, h, r0].copy(), mask[b, h, r0].copy()  # AND, OR of each column
         odd = np.zeros(kv_len, np.bool_)  # a value other than opened, shut and also
+        floors = np.ones(kv_len, np.bool_)  # floors only
+        rows_see = True  # each row sees an ordinary key
         for r in range(r0, r1):
             row = mask[b, h, r]
             for c in range(kv_len):
@@ -446,17 +463,28 @@ def summarise_mask(mask, opened, shut, also, blocks):
                 every[c] &= x
                 some[c] |= x
                 odd[c] |= (x != opened) & (x != shut) & (x != also)
+            if not floors_shut:
+                continue
+            sees = False
+            for c in range(kv_len):
+                magnitude, positive = row[c] & ~sign, (row[c] & sign) == 0
+                floors[c] &= (not positive) & (magnitude >= floor) & (magnitude <= inf)
+                sees |= (magnitude <= ordinary) | (positive & (magnitude <= inf))
+            rows_see = rows_see and sees
         for kb in range(key_blocks):
             c0, c1 = kb * MASK_BLOCK, min((kb + 1) * MASK_BLOCK, kv_len)
-            all_of, any_of, values = every[c0], some[c0], False
+            all_of, any_of, values, floored = every[c0], some[c0], False, floors_shut and rows_see
             for c in range(c0, c1):
                 all_of &= every[c]
                 any_of |= some[c]
                 values |= odd[c]
+                floored &= floors[c]
             kind = MASK_VALUES if values else MASK_SIEVE
-            if all_of == shut and any_of == shut:
+            if (all_of == shut and any_of == shut) or (values and floored):
                 kind = MASK_SHUT
-            blocks[b, h, qb, kb] = MASK_OPEN if all_of == opened and any_of == opened else kind
+            if all_of & ~sign == opened and any_of & ~sign == opened:  # 0.0 and -0.0 alike:
+                kind = MASK_OPEN  # (1 - keep) * finfo.min makes -0.0
+            blocks[b, h, qb, kb] = kind
 
 
 def balanced_order(table: Tensor, threads: int) -> Tensor | None:
