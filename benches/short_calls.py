@@ -2,7 +2,9 @@
 per-call costs (validation, dispatch, packing, waking threads) weigh against the tiles.
 
 Forward, no mask, E = 64, fp32 and bf16, at the shapes of issue #26: BERT-base (B = 32,
-H = 12, L = 128), B = 8, H = 12, L = 512, and B = 1, H = 8, L = 64 and 256. Each round
+H = 12, L = 128), B = 8, H = 12, L = 512, and B = 1, H = 8, L = 64 and 256; and BERT-base
+at L = 112 (a length not a multiple of 64: the softmax's vector loops take 64 columns a
+step). Each round
 times a block of ~20 ms of SDPA calls, then one of numba's; prints the median time of each
 and the median of the rounds' ratios with its interquartile range (> 1: numba faster).
 
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 import attnperf
 from attnperf.machine import cpu_description
 
-SHAPES = ((32, 12, 128, 64), (8, 12, 512, 64), (1, 8, 64, 64), (1, 8, 256, 64))
+SHAPES = ((32, 12, 128, 64), (8, 12, 512, 64), (1, 8, 64, 64), (1, 8, 256, 64), (32, 12, 112, 64))
 
 
 def block_time(call, repeats: int) -> float:
