@@ -7,7 +7,9 @@ transformers' eager form), and a random bool mask (no 16 x 16 block open or shut
 element read); numba's is_causal beside them. Each
 round times a block of calls of each; prints the medians, SDPA's time over numba's (> 1:
 numba faster) and numba's share of the chip's peak over the pairs that the mask lets
-through (4 E FLOPs a pair and head).
+through (4 E FLOPs a pair and head). Then BERT-base's padding masks (B = 32, 12 heads,
+L = 128, E = 64, sequences of 64-128 tokens, (B, 1, 1, S)), bool and `(1 - keep) *
+finfo.min`, with numba unmasked beside them.
 
     python benches/masks.py [--length 2048] [--rounds 5] [--dtypes float32 bfloat16]
 """
@@ -100,6 +102,27 @@ def main() -> None:
                   f"{1e3 * times['numba']:8.2f} ms  numba / sdpa "
                   f"{times['sdpa'] / times['numba']:5.2f}x  numba of peak "
                   f"{100 * flops / times['numba'] / peak:4.1f}%")  # fmt: skip
+        bert_padding(dtype, args.rounds)
+
+
+def bert_padding(dtype: torch.dtype, rounds: int) -> None:
+    """BERT-base's padding masks, every call taking turns."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(32, 12, 128, 64, generator=gen).to(dtype) for _ in range(3))
+    keep = torch.arange(128)[None, :] < torch.randint(64, 129, (32,), generator=gen)[:, None]
+    floor = (1.0 - keep.to(dtype)) * torch.finfo(dtype).min
+    masks = {"bool": keep[:, None, None, :], "finfo.min": floor[:, None, None, :]}
+    calls = {"numba unmasked": lambda: attnperf.attention(q, k, v, backend="numba")}
+    for name, mask in masks.items():
+        calls[f"sdpa {name}"] = lambda mask=mask: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask)  # fmt: skip
+        calls[f"numba {name}"] = lambda mask=mask: attnperf.attention(
+            q, k, v, attn_mask=mask, backend="numba")  # fmt: skip
+    times = race(calls, rounds)
+    ratios = ", ".join(f"{name} {times[f'sdpa {name}'] / times[f'numba {name}']:.2f}x"
+                       for name in masks)  # fmt: skip
+    medians = ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in times.items())
+    print(f"  BERT-base padding: {medians}; numba / sdpa: {ratios}")
 
 
 if __name__ == "__main__":
