@@ -19,7 +19,14 @@ from attnperf.kernels.numba.amx import (
     whole_tiles,
     zero_to_step,
 )
-from attnperf.kernels.numba.fastmath import LOG2E, exp2, exp2_for_bf16, exp2_shifted, row_maximum
+from attnperf.kernels.numba.fastmath import (
+    LOG2E,
+    exp2,
+    exp2_for_bf16,
+    exp2_shifted,
+    row_maximum,
+    to_whole_steps,
+)
 from attnperf.kernels.numba.jit import (
     FASTMATH,
     array_at,
@@ -104,17 +111,11 @@ SHORT_CALL_BLOCK_M = 64
 @njit(fastmath=FASTMATH)
 def online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift):
     """The online softmax's step before acc += P V: s[:rows, :cols] <- P = 2 ** (s - the
-    rows' new max), their max and sum updated, acc rescaled to the new max.
-
-    The rows run in whole steps of 64 columns where s has room, the columns past cols at
-    -inf (P = 0 there): LLVM's vector loops take 64 columns a step and leave the rest to
-    scalar code, which had made 112 keys cost 1.47x 128 (B = 32, H = 12, L = 128, fp32,
-    Intel Xeon)."""
-    wide = min(s.shape[1], (cols + 63) // 64 * 64)
+    rows' new max), their max and sum updated, acc rescaled to the new max; the rows run
+    in whole steps of 64 columns where s has room (`to_whole_steps`: P = 0 past cols)."""
     for r in range(rows):
         s_row = row_view(s, r)
-        for c in range(cols, wide):
-            s_row[c] = -np.inf
+        wide = to_whole_steps(s_row, cols, s.shape[1])
         new_max = row_maximum(s_row, wide, row_max[r])
         # A row with nothing allowed so far shifts by 0: its exp2 stays 0, not NaN.
         shift[r] = new_max if new_max != -np.inf else 0.0
@@ -491,7 +492,7 @@ def packed_forward_serial(memory, workspace, variant, scale, block_m, block_n):
 @njit(fastmath=FASTMATH)
 def key_tile_width(kv_len, block_n):
     """A score tile's keys: as many as the sequence needs, in whole steps of 64 (the
-    softmax's vector loops: `online_softmax_rescale`), up to block_n (a short call's 64 keys
+    softmax's vector loops: `to_whole_steps`), up to block_n (a short call's 64 keys
     would otherwise allocate, and fault in, 512 columns per item)."""
     return min(block_n, (kv_len + 63) // 64 * 64)
 
@@ -614,8 +615,8 @@ def amx_query_tile(q, k, values, variant, scale, out, stats, block_m, block_n, t
         # band and the block layout only set -inf (a causal tile's pass over its scores
         # cost as much as its maxima).
         factor = scale2
-        if (scale2 <= 0 or changes_values(variant)
-                or adds_mask_values(variant, b, h, i0, rows, j0, cols)):  # fmt: skip
+        biased = structure == MASKED and adds_mask_values(variant, b, h, i0, rows, j0, cols)
+        if scale2 <= 0 or changes_values(variant) or biased:
             scale_scores(s_t, cols, tile_rows, scale2)
             factor = ONE
         if factor == ONE or structure == MASKED:
@@ -756,14 +757,12 @@ def probabilities(q_tile, k_tile, p, dtanh, variant, b, h, i0, j0, structure, sc
 def scores_to_probabilities(p, dtanh, variant, b, h, i0, j0, rows, cols, structure, stats):
     """p[:rows, :cols] <- P from the scores there (times log2 e): the variant's
     modifications, then 2 ** (s - max) / sum by the rows' saved stats (`probabilities`);
-    0 past cols to a whole step of 64 where p has room."""
+    0 past cols to a whole step of 64 where p has room (`to_whole_steps`)."""
     modify_scores(p, variant, b, h, i0, j0, rows, cols, structure, dtanh)
-    wide = min(p.shape[1], (cols + 63) // 64 * 64)  # as `online_softmax_rescale`'s rows
     for r in range(rows):
         total = stats[i0 + r, 1]
         p_row = row_view(p, r)
-        for c in range(cols, wide):
-            p_row[c] = -np.inf
+        wide = to_whole_steps(p_row, cols, p.shape[1])
         exp2_shifted(p_row, wide, stats[i0 + r, 0], 1.0 / total if total != 0 else 0.0)
 
 

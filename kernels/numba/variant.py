@@ -11,7 +11,7 @@ from torch import Tensor
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.amx import whole_tiles
 from attnperf.kernels.numba.fastmath import LOG2E, base2_bias, tanh, widen
-from attnperf.kernels.numba.jit import FASTMATH, njit, prange
+from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
 from attnperf.kernels.numba.launch import any_layout, as_numpy, run_parallel
 from attnperf.kernels.numba.microkernels import transpose_tile
 from attnperf.kernels.numba.tiles import tiles_flag
@@ -285,7 +285,7 @@ def mask_scores(s, transposed, variant, b, h, i0, j0, rows, cols):
     """The attn_mask added to a tile's scores (s[r, c], or s[c, r] if transposed) by its
     blocks: nothing to an open block, -inf to a shut one, its values to the others (a bool
     mask's False as -inf; added, not set, so that a NaN score stays NaN, as in SDPA)."""
-    values, blocks = variant[0], variant[14]
+    values, blocks, index = variant[0], variant[14], variant[15]
     if variant[1] == MASK_NONE:
         return
     for qb in range(i0 // MASK_BLOCK, (i0 + rows - 1) // MASK_BLOCK + 1):
@@ -296,7 +296,7 @@ def mask_scores(s, transposed, variant, b, h, i0, j0, rows, cols):
             if kind == MASK_OPEN:
                 continue
             shut = kind == MASK_SHUT
-            at = variant[15][0, b, h, qb, kb]
+            at = index[0, b, h, qb, kb]
             di, dj = i0 - qb * MASK_BLOCK, j0 - kb * MASK_BLOCK  # the tile's corner in the block
             if transposed:  # down s's rows, each loop
                 for c in range(c0, c1):
@@ -416,7 +416,7 @@ def gather_mask_blocks(mask, boolean, index, values):
     heads, query_blocks, key_blocks = index.shape[1], index.shape[2], index.shape[3]
     q_len, kv_len = mask.shape[2], mask.shape[3]
     for item in prange(index.shape[0] * heads * query_blocks):
-        b, h, qb = item // (heads * query_blocks), item // query_blocks % heads, item % query_blocks
+        b, h, qb = split_index(item, heads, query_blocks)
         for kb in range(key_blocks):
             at = index[b, h, qb, kb]
             if at < 0:
@@ -450,7 +450,7 @@ def summarise_mask(mask, marks, floors_shut, blocks):
     heads, query_blocks, key_blocks = blocks.shape[1], blocks.shape[2], blocks.shape[3]
     q_len, kv_len = mask.shape[2], mask.shape[3]
     for item in prange(blocks.shape[0] * heads * query_blocks):
-        b, h, qb = item // (heads * query_blocks), item // query_blocks % heads, item % query_blocks
+        b, h, qb = split_index(item, heads, query_blocks)
         r0, r1 = qb * MASK_BLOCK, min((qb + 1) * MASK_BLOCK, q_len)
         every, some = mask[b, h, r0].copy(), mask[b, h, r0].copy()  # AND, OR of each column
         odd = np.zeros(kv_len, np.bool_)  # a value other than opened, shut and also
