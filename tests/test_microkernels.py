@@ -17,7 +17,9 @@ pytest.importorskip("numba")
 from attnperf.kernels.numba import microkernels, tiles
 from attnperf.kernels.numba.amx import amx_permitted
 from attnperf.kernels.numba.attention import round_probabilities
+from attnperf.kernels.numba.jit import njit
 from attnperf.kernels.numba.microkernels import (
+    exp2_columns,
     gemm_fp32,
     pack_key_panels,
     pack_vnni,
@@ -224,6 +226,46 @@ def test_transpose_tile_transposes_whole_sixteens_and_leaves_the_rest():
     expected = np.full((50, 40), -1.0, np.float32)
     expected[:48, :32] = src[:, :48].T
     assert np.array_equal(dst, expected)
+
+
+@njit()
+def _exp2_columns(s_t, cols, shift, factor, total):
+    for r in range(0, s_t.shape[1], 16):
+        exp2_columns(s_t, cols, r, shift, factor, total)
+
+
+@pytest.mark.skipif("avx512f" not in microkernels.target_features(),
+                    reason="exp2_columns is AVX-512F code (the fp32 forward's softmax by "
+                    "rows serves AVX2)")  # fmt: skip
+@pytest.mark.parametrize("cols", [0, 1, 7, 400])
+def test_exp2_columns_as_exact_as_exp2_in_place_and_sum_in_fp32(cols):
+    """p = 2 ** (factor s - shift) in place for the keys below cols, within 1e-7 relative
+    of float64's 2 ** t (t as its fma rounds it; `fastmath.exp2`'s bound, 7.9e-8: the
+    degree-5 fit for bf16 misses it), the keys past cols left alone; the sums added
+    to the rows' totals; -inf and scores far below the shift exactly 0 (no subnormal
+    results: each cost a microcode assist); NaN stays."""
+    gen = torch.Generator().manual_seed(8)
+    s_t = (torch.randn(400, 32, generator=gen) * 40).numpy()
+    s_t[0, :4] = (-np.inf, np.nan, -1e30, 10.0)
+    s_t[:, 8] = -np.inf  # a row that sees no key adds exactly nothing
+    shift = (torch.randn(32, generator=gen) * 3).numpy()
+    shift[3] = 5.0  # the row's max: its score gives 2 ** 0
+    factor = np.float32(0.5)
+    before, total = s_t.copy(), np.full(32, 0.5, np.float32)
+    _exp2_columns(s_t, cols, shift, factor, total)
+    assert np.array_equal(s_t[cols:], before[cols:], equal_nan=True)
+    t = (np.float64(factor) * before[:cols] - shift).astype(np.float32)
+    exact, got = np.exp2(t.astype(np.float64)), s_t[:cols]
+    if cols:
+        assert got[0, 0] == 0 and np.isnan(got[0, 1]) and got[0, 2] == 0 and got[0, 3] == 1
+    finite = np.isfinite(exact)
+    finite[:1, :4] = False
+    floor = 2.0**microkernels.EXP2_FLOOR  # below it, 0
+    assert np.all(np.abs(got[finite] - exact[finite]) <= 1e-7 * exact[finite] + floor)
+    sums = 0.5 + np.nansum(exact, axis=0)
+    assert total[8] == 0.5 and (np.isnan(total[1]) if cols else total[1] == 0.5)
+    rest = [r for r in range(32) if r != 1]
+    assert np.allclose(total[rest], sums[rest], rtol=1e-6, atol=0)
 
 
 def test_route_follows_numba_target(monkeypatch):

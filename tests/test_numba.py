@@ -12,7 +12,7 @@ import torch
 from cases import CASES, VARIANT_CASES, results_and_gradients
 
 import attnperf
-from attnperf import dispatch
+from attnperf import dispatch, plans
 from attnperf.inputs import prepare
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
@@ -27,10 +27,14 @@ if dispatch.registry()["numba"].unavailable_reason():
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """8 x 16 tiles: the grid's short calls then span many query and key tiles."""
+    """8 x 16 tiles: the grid's short calls then span many query and key tiles. No call
+    plan is kept across (a kept forward keeps its own tiles)."""
     monkeypatch.setattr(attention, "BLOCK_M", 8)
     monkeypatch.setattr(attention, "BANDED_BLOCK_M", 8)
     monkeypatch.setattr(attention, "BLOCK_N", 16)
+    plans.clear()
+    yield
+    plans.clear()
 
 
 @pytest.mark.parametrize("case", CASES + VARIANT_CASES, ids=lambda case: case.id)
@@ -51,6 +55,25 @@ def test_many_tiles_agree_with_float64_reference(case, small_tiles):
             assert_agrees(a, e, b, what=what)
     for name in actual:
         assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")
+
+
+@pytest.mark.parametrize("case", CASES + VARIANT_CASES, ids=lambda case: case.id)
+def test_fp32_forward_by_rows_agrees_with_float64_reference(case, small_tiles, monkeypatch):
+    """The fp32 forward with its scores by rows (`packed_forward`, AVX2's route; AVX-512
+    holds them transposed) on the same many tiles: output and LSE."""
+    monkeypatch.setattr(attention, "transposed_fp32", lambda: False)
+    args = {name: value.detach() if isinstance(value, torch.Tensor) else value
+            for name, value in case.build(torch.float32).items()}  # fmt: skip
+    forward = attention.DenseForward(prepare(**args))
+    if forward.kernel is not None:
+        assert forward.kernel in (attention.packed_forward, attention.packed_forward_serial)
+    actual = attnperf.attention(**args, backend="numba")
+    exact, baseline = float64_reference(**args), same_precision_reference(**args)
+    names = ("output", "lse")
+    if not args.get("return_lse"):
+        names, actual, exact, baseline = names[:1], (actual,), (exact,), (baseline,)
+    for what, a, e, b in zip(names, actual, exact, baseline, strict=True):
+        assert_agrees(a, e, b, what=what)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -227,7 +250,11 @@ def test_forward_kernels_read_q_k_v_in_place_at_any_strides(monkeypatch):
     monkeypatch.setattr(attention, "run_parallel", run_parallel)
     q, k, v = (torch.randn(1, 3, 32, 16) for _ in range(3))
     blhe = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    variant_at = {attention.online_softmax_forward: 1, attention.packed_forward: 2}
+    variant_at = {
+        attention.online_softmax_forward: 1,
+        attention.packed_forward: 2,
+        attention.fp32_forward: 2,
+    }
     variant_types = set()
     for tensors in ((q, k, v), blhe):
         for mask in (None, torch.randn(32, 32)):

@@ -61,6 +61,7 @@ from attnperf.kernels.numba.microkernels import (
     ONE,
     ZERO,
     column_maxima,
+    exp2_columns,
     exp2_pairs_to_bf16,
     pack_key_panels,
     pack_vnni,
@@ -199,16 +200,17 @@ def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
     included) from the online softmax's unnormalised acc, sums and shifts; a uint16 out
     takes the rows rounded to bf16 (their bits)."""
     bf16 = out.itemsize == 2  # bf16 bits
+    value_dim = out.shape[3]  # acc may have columns more (`fp32_query_tile`'s sixteens)
     for r in range(acc.shape[0]):
         # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
         row_max, total, inv = with_sink(variant, h, shift[r], row_sum[r])
         i = first + r
         if bf16:  # the product in float32: it is rounded to bf16 next
             inv32 = np.float32(inv)
-            for e in range(acc.shape[1]):
+            for e in range(value_dim):
                 out[slot, h, i, e] = to_bf16(acc[r, e] * inv32)
         else:
-            for e in range(acc.shape[1]):
+            for e in range(value_dim):
                 out[slot, h, i, e] = acc[r, e] * inv
         stats[slot, h, i, 0] = row_max
         stats[slot, h, i, 1] = total
@@ -465,9 +467,10 @@ def packed_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, 
 
 @njit(parallel=True, fastmath=FASTMATH)
 def packed_forward(memory, workspace, variant, scale, block_m, block_n):
-    """online_softmax_forward on our micro-kernels, fp32 (q, k, v float32) or bf16 (q, k, v
-    bf16 bits, values packed in pairs, P rounded to bf16 before P V; E even); scores,
-    softmax and accumulation in fp32. The items shared out in workspace.shape[0] runs of
+    """online_softmax_forward on our micro-kernels, the scores by rows: fp32 (q, k, v
+    float32; on AVX2, where `fp32_forward` does not serve) or bf16 off AMX (q, k, v bf16
+    bits, values packed in pairs, P rounded to bf16 before P V; E even); scores, softmax
+    and accumulation in fp32. The items shared out in workspace.shape[0] runs of
     consecutive ones, one per thread (as prange would share them), each in its own
     workspace row, with no allocation nor a packing pass of its own
     (`packed_forward_items`)."""
@@ -531,16 +534,15 @@ def transposed_scores(k, slot, hk, j0, cols, q_view, s_t, tail):
 
 
 @njit(fastmath=FASTMATH)
-def transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, shift, work):
-    """`online_softmax_to_bf16` of transposed scores: s_t[c, r] the score of key c and query
-    row r (all of s_t's rows; times factor > 0 here). P^T goes to p_t rounded to bf16 in
-    AMX's B pairs (p_t[d, 2 r + u] = P[r, 2 d + u]), zeros to the end of the last step of
-    32 keys; acc_t = O^T (Ev, rows) is rescaled. work: (3, rows) float32 scratch."""
-    wide_vectors()
+def transposed_shifts(s_t, factor, cols, row_max, shift, work):
+    """The online softmax's step before the exponentials, on transposed scores (s_t[c, r]
+    the score of key c and query row r, all of s_t's rows, a whole number of sixteens;
+    times factor > 0): the rows' new max and shift, work[1] <- each row's rescale factor
+    alpha and work[2] <- 0 (the rows' sums to come). work: (3, rows) float32."""
     rows = s_t.shape[1]
     largest, alpha, total = work[0], work[1], work[2]
     largest[:] = -np.inf
-    for r in range(0, rows, LANES):  # rows: whole sixteens
+    for r in range(0, rows, LANES):
         column_maxima(s_t, cols, r, largest)
     for r in range(rows):
         new_max = max(row_max[r], factor * largest[r])
@@ -549,6 +551,31 @@ def transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, 
         alpha[r] = exp2(row_max[r] - shift[r]) if row_max[r] != -np.inf else np.float32(0.0)
         row_max[r] = new_max
         total[r] = 0
+
+
+@njit(fastmath=FASTMATH)
+def rescale_transposed(acc_t, row_sum, work):
+    """The online softmax's step after the exponentials: each row's sum rescaled by its
+    alpha (work[1]) plus the tile's (work[2]), and O^T's columns (acc_t (Ev, rows)) by
+    alpha."""
+    alpha, total = work[1], work[2]
+    for r in range(row_sum.shape[0]):
+        row_sum[r] = row_sum[r] * alpha[r] + total[r]
+    for e in range(acc_t.shape[0]):
+        acc_row = row_view(acc_t, e)
+        for r in range(acc_row.shape[0]):
+            acc_row[r] *= alpha[r]
+
+
+@njit(fastmath=FASTMATH)
+def transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, shift, work):
+    """`online_softmax_to_bf16` of transposed scores (`transposed_shifts`). P^T goes to p_t
+    rounded to bf16 in AMX's B pairs (p_t[d, 2 r + u] = P[r, 2 d + u]), zeros to the end
+    of the last step of 32 keys; acc_t = O^T (Ev, rows) is rescaled."""
+    wide_vectors()
+    rows = s_t.shape[1]
+    transposed_shifts(s_t, factor, cols, row_max, shift, work)
+    total = work[2]
     pairs = p_t.view(np.uint32)
     for d in range(cols // 2):
         for r in range(0, rows, LANES):  # rows: whole sixteens
@@ -561,12 +588,36 @@ def transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, 
             total[r] += p_last
             pair[r] = np.uint32(to_bf16(p_last))
     pairs[(cols + 1) // 2 :] = 0
-    for r in range(rows):
-        row_sum[r] = row_sum[r] * alpha[r] + total[r]
-    for e in range(acc_t.shape[0]):
-        acc_row = acc_t[e]
-        for r in range(rows):
-            acc_row[r] *= alpha[r]
+    rescale_transposed(acc_t, row_sum, work)
+
+
+@njit(fastmath=FASTMATH)
+def transposed_softmax(s_t, factor, cols, acc_t, row_max, row_sum, shift, work):
+    """The online softmax's step of transposed fp32 scores (`transposed_shifts`): s_t[:cols]
+    <- P^T = 2 ** (factor s - shift) in place, the rows' sums updated, acc_t = O^T (Ev,
+    rows) rescaled."""
+    wide_vectors()
+    transposed_shifts(s_t, factor, cols, row_max, shift, work)
+    for r in range(0, s_t.shape[1], LANES):  # rows: whole sixteens
+        exp2_columns(s_t, cols, r, shift, factor, work[2])
+    rescale_transposed(acc_t, row_sum, work)
+
+
+@njit(fastmath=FASTMATH)
+def modify_transposed(s_t, s_rows, variant, scale2, b, h, i0, rows, j0, cols, structure):
+    """A transposed score tile's variant (`modify_transposed_scores`); returns the factor
+    that the softmax's pass multiplies the scores by. The scale goes into that pass unless
+    a variant changes scores' values (then it is applied first and the factor is 1): the
+    band and the block layout only set -inf (a causal tile's pass over its scores cost as
+    much as its maxima)."""
+    factor = scale2
+    biased = structure == MASKED and adds_mask_values(variant, b, h, i0, rows, j0, cols)
+    if scale2 <= 0 or changes_values(variant) or biased:
+        scale_scores(s_t, cols, s_t.shape[1], scale2)
+        factor = ONE
+    if factor == ONE or structure == MASKED:
+        modify_transposed_scores(s_t, s_rows, variant, b, h, i0, j0, rows, cols, structure)
+    return factor
 
 
 @njit(fastmath=FASTMATH)
@@ -611,17 +662,8 @@ def amx_query_tile(q, k, values, variant, scale, out, stats, block_m, block_n, t
     shift[:] = 0
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
         transposed_scores(k, slot, hk, k0 + j0, cols, q_view, s_t, tail)
-        # The scale goes into the softmax's pass unless a variant changes scores' values: the
-        # band and the block layout only set -inf (a causal tile's pass over its scores
-        # cost as much as its maxima).
-        factor = scale2
-        biased = structure == MASKED and adds_mask_values(variant, b, h, i0, rows, j0, cols)
-        if scale2 <= 0 or changes_values(variant) or biased:
-            scale_scores(s_t, cols, tile_rows, scale2)
-            factor = ONE
-        if factor == ONE or structure == MASKED:
-            modify_transposed_scores(s_t, s_rows, variant, b, h, i0, j0, rows, cols,
-                                     structure)  # fmt: skip
+        factor = modify_transposed(s_t, s_rows, variant, scale2, b, h, i0, rows, j0, cols,
+                                   structure)  # fmt: skip
         transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, shift, work)
         value_tile = (values, j0, values.shape[1])
         amx_product(value_tile, p_view, (acc_t, 0, tile_rows), value_dim // TILE_ROWS,
@@ -708,6 +750,109 @@ def amx_forward_serial(memory, workspace, variant, scale, block_m, block_n):
     items = forward_items(variant, q.shape[1], block_m)
     amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
                       np.int64(0), items)  # fmt: skip
+
+
+# ------------------------------------------------------- the fp32 forward, transposed
+# As on AMX tiles: S^T = K Q^T on our fp32 micro-kernels, K read where it lies as A, Q^T
+# packed per query tile as B's panels; the softmax down the keys, 16 query rows a vector;
+# O^T += V^T P^T with V read where it lies as A (its rows are V^T's depth) and P^T, the
+# score tile itself, as B. Nothing is packed per kv head.
+
+
+@njit(fastmath=FASTMATH)
+def fp32_tile_buffers(address, tile_rows, width, dim, value_dim, by_rows):
+    """A query tile's buffers for `fp32_query_tile`, carved at `address` (`carve`): Q^T in
+    panels of 16 rows, S^T (then P^T), O^T (whole sixteens of Ev), O, the rows' (max, sum,
+    shift), the softmax's work, the scores by rows (a layout's); and their extent."""
+    q_t, at = carve(address, 0, (tile_rows // LANES, dim, LANES), F32)
+    s_t, at = carve(address, at, (width, tile_rows), F32)
+    acc_t, at = carve(address, at, (whole_tiles(value_dim), tile_rows), F32)
+    acc, at = carve(address, at, (tile_rows, whole_tiles(value_dim)), F32)
+    state, at = carve(address, at, (3, tile_rows), F32)
+    work, at = carve(address, at, (3, tile_rows), F32)
+    s_rows, at = carve(address, at, (tile_rows if by_rows else 0, width), F32)
+    return (q_t, s_t, acc_t, acc, state, work, s_rows), at
+
+
+@njit(fastmath=FASTMATH)
+def fp32_query_tile(q, k, v, variant, scale, out, stats, block_m, block_n, tile, address):
+    """Query tile `tile` (`query_tile`'s, rows > 0) of `fp32_forward`, its scores
+    transposed, in buffers carved at `address` (`fp32_tile_buffers`)."""
+    wide_vectors()
+    q_heads, kv_heads, dim, value_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
+    scale2 = np.float32(scale * LOG2E)
+    b, h, slot, q0, i0, rows, k0, kv_len = tile
+    hk = h // (q_heads // kv_heads)
+    tile_rows, width = whole_tiles(rows), key_tile_width(kv_len, block_n)
+    buffers, _ = fp32_tile_buffers(address, tile_rows, width, dim, value_dim,
+                                   scores_by_rows(variant))  # fmt: skip
+    q_t, s_t, acc_t, acc, state, work, s_rows = buffers
+    pack_key_panels(q[slot, h, q0 + i0 : q0 + i0 + rows], q_t)  # zero rows to a sixteen
+    q_view = (q_t, 0, LANES, dim * LANES)
+    s_view = (s_t, 0, tile_rows)
+    p_view = (s_t, 0, tile_rows, LANES)
+    acc_view = (acc_t, 0, tile_rows)
+    acc_t[:] = 0
+    row_max, row_sum, shift = state[0], state[1], state[2]
+    row_max[:] = -np.inf
+    row_sum[:] = 0
+    shift[:] = 0
+    for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
+        tile_product(dim, ONE, ZERO, rows_view(k, slot, hk, k0 + j0), q_view, s_view, cols,
+                     tile_rows)  # fmt: skip
+        factor = modify_transposed(s_t, s_rows, variant, scale2, b, h, i0, rows, j0, cols,
+                                   structure)  # fmt: skip
+        transposed_softmax(s_t, factor, cols, acc_t, row_max, row_sum, shift, work)
+        x, at, row_stride, _ = rows_view(v, slot, hk, k0 + j0)
+        tile_product(cols, ONE, ONE, (x, at, 1, row_stride), p_view, acc_view, value_dim,
+                     tile_rows)  # fmt: skip
+    transpose_tile(acc_t, acc, acc_t.shape[0], tile_rows)
+    finish_rows(variant, slot, h, q0 + i0, acc[:rows], row_sum, shift, out, stats)
+
+
+@njit(fastmath=FASTMATH)
+def fp32_workspace_bytes(keys, dim, value_dim, block_m, block_n, by_rows):
+    """The bytes of one thread's workspace for `fp32_forward_items` (a line more, to start
+    on one)."""
+    width = key_tile_width(keys, block_n)
+    _, tile_end = fp32_tile_buffers(0, whole_tiles(block_m), width, dim, value_dim, by_rows)
+    return tile_end + 64
+
+
+@njit(fastmath=FASTMATH)
+def fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace, first,
+                       last):  # fmt: skip
+    """Items (sequence, query head, query tile) first .. last - 1 of `fp32_forward`, on one
+    thread, in its workspace (`fp32_workspace_bytes`)."""
+    address = (data_address(workspace) + 63) // 64 * 64
+    for item in range(first, last):
+        tile = query_tile(variant, q.shape[1], block_m, item)
+        if tile[5] > 0:
+            fp32_query_tile(q, k, v, variant, scale, out, stats, block_m, block_n, tile,
+                            address)  # fmt: skip
+
+
+@njit(parallel=True, fastmath=FASTMATH)
+def fp32_forward(memory, workspace, variant, scale, block_m, block_n):
+    """`packed_forward` for fp32 with the scores transposed (AVX-512: `column_maxima`): the
+    items shared out in workspace.shape[0] runs of consecutive ones, one per thread, each
+    in its own workspace row (`fp32_forward_items`)."""
+    q, k, v, out, stats = forward_arrays(memory)
+    items = forward_items(variant, q.shape[1], block_m)
+    runs = workspace.shape[0]
+    for run in prange(runs):
+        first, last = run_bounds(run, runs, items)
+        fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n,
+                           workspace[run], first, last)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def fp32_forward_serial(memory, workspace, variant, scale, block_m, block_n):
+    """fp32_forward on the calling thread (one query tile: nothing to share)."""
+    q, k, v, out, stats = forward_arrays(memory)
+    items = forward_items(variant, q.shape[1], block_m)
+    fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
+                       np.int64(0), items)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -1305,6 +1450,10 @@ class DenseForward:
             size = amx_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
                                        *self.blocks, scores_by_rows(variant))  # fmt: skip
             serial, parallel = amx_forward_serial, amx_forward
+        elif kind == FP32 and transposed_fp32():
+            size = fp32_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
+                                        *self.blocks, scores_by_rows(variant))  # fmt: skip
+            serial, parallel = fp32_forward_serial, fp32_forward
         else:
             like = U16 if kind == BF16 else F32
             size = packed_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
@@ -1376,6 +1525,13 @@ def forward_kind(inputs: AttentionInputs) -> int | None:
     if inputs.dtype == torch.bfloat16 and tile_route("bf16")[0] in ("amx", "avx512-bf16"):
         return BF16
     return FP32 if tiles_flag() == OWN_TILES else None
+
+
+def transposed_fp32() -> bool:
+    """Whether the fp32 forward holds its scores transposed (`fp32_forward`): where our
+    micro-kernels run AVX-512 (its softmax's `column_maxima` and `exp2_columns`); by rows
+    (`packed_forward`) on AVX2."""
+    return tile_route("fp32")[0] == "avx512"
 
 
 def amx_tiles(inputs: AttentionInputs) -> bool:

@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 from attnperf.kernels.numba.amx import AMX_PEAK_FLOPS_PER_ROUND, amx_peak_loop, amx_permitted
-from attnperf.kernels.numba.fastmath import EXP2_BF16_COEFFS
+from attnperf.kernels.numba.fastmath import EXP2_BF16_COEFFS, EXP2_COEFFS
 from attnperf.kernels.numba.jit import (
     FASTMATH,
     cgutils,
@@ -718,6 +718,30 @@ def column_maxima(typingctx, s_t, cols, row, largest):
 EXP2_FLOOR = -125.0
 
 
+def _exp2_vector(builder, t, coefficients):
+    """2 ** t on a 16-lane float32 vector, explicitly: t clamped below at EXP2_FLOOR (one
+    vmaxps: NaN goes on into the polynomial), 2 ** (t - n) by `coefficients`' polynomial
+    (fastmath's fits, n = rint(t)) and 2 ** n applied by vscalefps; 0 below 2 **
+    EXP2_FLOOR. AVX-512F."""
+    f32x16 = t.type
+    fma = _function(builder, "llvm.fma.v16f32", f32x16, [f32x16] * 3)
+    rint = _function(builder, "llvm.rint.v16f32", f32x16, [f32x16])
+    scalef = _function(builder, "llvm.x86.avx512.mask.scalef.ps.512", f32x16,
+                       [f32x16, f32x16, f32x16, ir.IntType(16), ir.IntType(32)])  # fmt: skip
+    floor = ir.Constant(f32x16, [EXP2_FLOOR] * LANES)
+    below = builder.fcmp_ordered("<", t, floor)  # NaN is not: it goes on
+    clamped = builder.select(below, floor, t)  # a masked -inf gives no NaN here
+    n = builder.call(rint, [clamped])
+    f = builder.fsub(clamped, n)
+    p = ir.Constant(f32x16, [float(coefficients[-1])] * LANES)
+    for c in reversed(coefficients[:-1]):
+        p = builder.call(fma, [p, f, ir.Constant(f32x16, [float(c)] * LANES)])
+    every_lane = ir.Constant(ir.IntType(16), -1)
+    current_rounding = ir.Constant(ir.IntType(32), 4)
+    scaled = builder.call(scalef, [p, n, p, every_lane, current_rounding])
+    return builder.select(below, ir.Constant(f32x16, [0.0] * LANES), scaled)
+
+
 @intrinsic
 def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at, total):
     """Softmax probabilities of 16 query rows for two keys, explicitly on 16-lane vectors:
@@ -746,32 +770,16 @@ def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at
 
         arg_types = signature.args
         fma = _function(builder, "llvm.fma.v16f32", f32x16, [f32x16] * 3)
-        rint = _function(builder, "llvm.rint.v16f32", f32x16, [f32x16])
-        scalef = _function(builder, "llvm.x86.avx512.mask.scalef.ps.512", f32x16,
-                           [f32x16, f32x16, f32x16, ir.IntType(16), ir.IntType(32)])  # fmt: skip
         to_pairs = _function(builder, "llvm.x86.avx512bf16.cvtne2ps2bf16.512",
                              ir.VectorType(_BFloat(), 2 * LANES), [f32x16, f32x16])  # fmt: skip
         shifts = builder.load(vector_at(arg_types[3], shift, row, f32x16), align=4)
         minus_shift = builder.fneg(shifts)
         factors = _splat(builder, factor, f32x16)
-        floor = ir.Constant(f32x16, [EXP2_FLOOR] * LANES)
-        coefficients = [ir.Constant(f32x16, [float(c)] * LANES) for c in EXP2_BF16_COEFFS]
         probabilities = []
         for offset in (at, builder.add(at, stride)):
             scores = builder.load(vector_at(arg_types[0], s_t, offset, f32x16), align=4)
             t = builder.call(fma, [scores, factors, minus_shift])
-            # A select on an ordered compare (one vmaxps): NaN goes on, into the polynomial.
-            below = builder.fcmp_ordered("<", t, floor)  # NaN is not: it goes on
-            clamped = builder.select(below, floor, t)  # a masked -inf gives no NaN here
-            n = builder.call(rint, [clamped])
-            f = builder.fsub(clamped, n)
-            p = coefficients[-1]
-            for c in reversed(coefficients[:-1]):
-                p = builder.call(fma, [p, f, c])
-            every_lane = ir.Constant(ir.IntType(16), -1)
-            current_rounding = ir.Constant(ir.IntType(32), 4)
-            scaled = builder.call(scalef, [p, n, p, every_lane, current_rounding])
-            probabilities.append(builder.select(below, ir.Constant(f32x16, [0.0] * LANES), scaled))
+            probabilities.append(_exp2_vector(builder, t, EXP2_BF16_COEFFS))
         even, odd = probabilities
         sums = vector_at(arg_types[8], total, row, f32x16)
         builder.store(builder.fadd(builder.load(sums, align=4), builder.fadd(even, odd)), sums,
@@ -782,6 +790,49 @@ def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at
                                        ir.Constant(ir.VectorType(ir.IntType(32), 2 * LANES),
                                                    interleave))  # fmt: skip
         builder.store(pairs, vector_at(arg_types[6], p_t, p_at, i16x32), align=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def exp2_columns(typingctx, s_t, cols, row, shift, factor, total):
+    """Softmax probabilities of 16 query rows in place, explicitly on 16-lane vectors: for
+    each key c < cols, s_t[c, row : row + 16] <- p = 2 ** (factor s - shift[row : row +
+    16]) (float32, C rows), and total[row : row + 16] += the sums, held in a register over
+    the keys. fastmath's degree-6 `exp2` polynomial with 2 ** n by vscalefps (`_exp2_vector`):
+    within 2 ulp of 2 ** t like `exp2`; 0 below 2 ** EXP2_FLOOR. AVX-512F."""
+    sig = types.void(s_t, types.intp, types.intp, shift, types.float32, total)
+    served = s_t.dtype == types.float32 and s_t.ndim == 2 and s_t.layout == "C"
+
+    def codegen(context, builder, signature, args):
+        if not served or "avx512f" not in target_features():
+            builder.call(_function(builder, "llvm.trap", ir.VoidType(), []), [])
+            return context.get_dummy_value()
+        s_t, cols, row, shift, factor, total = args
+        f32x16 = ir.VectorType(ir.FloatType(), LANES)
+        fma = _function(builder, "llvm.fma.v16f32", f32x16, [f32x16] * 3)
+        arg_types = signature.args
+
+        def vector_at(array_type, array, offset):
+            data = context.make_array(array_type)(context, builder, array).data
+            return builder.bitcast(builder.gep(data, [offset]), f32x16.as_pointer())
+
+        scores = context.make_array(arg_types[0])(context, builder, s_t)
+        stride = cgutils.unpack_tuple(builder, scores.shape)[1]  # elements a key
+        origin = builder.gep(scores.data, [row])
+        minus_shift = builder.fneg(builder.load(vector_at(arg_types[3], shift, row), align=4))
+        factors = _splat(builder, factor, f32x16)
+        sums = vector_at(arg_types[5], total, row)
+        running = cgutils.alloca_once_value(builder, builder.load(sums, align=4))
+        with cgutils.for_range(builder, cols) as loop:
+            at = builder.bitcast(builder.gep(origin, [builder.mul(loop.index, stride)]),
+                                 f32x16.as_pointer())  # fmt: skip
+            t = builder.call(fma, [builder.load(at, align=4), factors, minus_shift])
+            p = _exp2_vector(builder, t, EXP2_COEFFS)
+            builder.store(p, at, align=4)
+            builder.store(builder.fadd(builder.load(running), p), running)
+        builder.store(builder.load(running), sums, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
