@@ -19,6 +19,7 @@ from attnperf.kernels.numba.amx import amx_permitted
 from attnperf.kernels.numba.attention import round_probabilities
 from attnperf.kernels.numba.jit import njit
 from attnperf.kernels.numba.microkernels import (
+    add_block,
     exp2_columns,
     gemm_fp32,
     pack_key_panels,
@@ -266,6 +267,40 @@ def test_exp2_columns_as_exact_as_exp2_in_place_and_sum_in_fp32(cols):
     assert total[8] == 0.5 and (np.isnan(total[1]) if cols else total[1] == 0.5)
     rest = [r for r in range(32) if r != 1]
     assert np.allclose(total[rest], sums[rest], rtol=1e-6, atol=0)
+
+
+@njit()
+def _add_block(s, s_at, values, v_at, shut, transposed):
+    if transposed:
+        add_block(s, s_at, values, v_at, shut, True)
+    else:
+        add_block(s, s_at, values, v_at, shut, False)
+
+
+@pytest.mark.skipif(
+    "avx512f" not in microkernels.target_features(),
+    reason="add_block is AVX-512F code (masks go by LLVM's loops without it)",
+)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shut", [False, True])
+@pytest.mark.parametrize("row_stride", [48, 64])
+def test_add_block_adds_a_mask_block_by_rows_or_transposed(transposed, shut, row_stride):
+    """A 16 x 16 block added at any corner of a wider tile (its rows, or its columns where
+    transposed; -inf where shut), the tile's rows contiguous or a wider array's, nothing
+    else touched; a NaN score stays NaN."""
+    gen = torch.Generator().manual_seed(9)
+    wide = torch.randn(40, row_stride, generator=gen).numpy()
+    s = wide[:, :48]
+    s[6, 9] = np.nan
+    values = torch.randn(3, 16, 16, generator=gen).numpy()
+    values[2, 3, 4] = -np.inf
+    expected = s.copy()
+    block = np.full((16, 16), -np.inf, np.float32) if shut else values[2]
+    expected[5:21, 7:23] += block.T if transposed else block
+    untouched = wide[:, 48:].copy()
+    _add_block(s, 5 * row_stride + 7, values, 2 * 256, shut, transposed)
+    assert np.array_equal(s, expected, equal_nan=True) and np.isnan(s[6, 9])
+    assert np.array_equal(wide[:, 48:], untouched)
 
 
 def test_route_follows_numba_target(monkeypatch):

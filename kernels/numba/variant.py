@@ -13,7 +13,7 @@ from attnperf.kernels.numba.amx import whole_tiles
 from attnperf.kernels.numba.fastmath import LOG2E, base2_bias, tanh, widen
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
 from attnperf.kernels.numba.launch import any_layout, as_numpy, run_parallel
-from attnperf.kernels.numba.microkernels import transpose_tile
+from attnperf.kernels.numba.microkernels import add_block, transpose_tile, vector_blocks
 from attnperf.kernels.numba.tiles import tiles_flag
 from attnperf.layouts import EMPTY as LAYOUT_EMPTY
 from attnperf.layouts import FULL as LAYOUT_FULL
@@ -28,6 +28,7 @@ MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 # -inf), so that a causal or padding mask costs about what is_causal does: SDPA adds the
 # whole mask to every score. A tile is summarised by the same kinds (`mask_tile`).
 MASK_BLOCK = 16
+MASK_AREA = MASK_BLOCK * MASK_BLOCK
 MASK_OPEN, MASK_SHUT, MASK_SIEVE, MASK_VALUES = 0, 1, 2, 3
 
 
@@ -288,6 +289,13 @@ def mask_scores(s, transposed, variant, b, h, i0, j0, rows, cols):
     values, blocks, index = variant[0], variant[14], variant[15]
     if variant[1] == MASK_NONE:
         return
+    # Whole blocks (the tile's corner on the blocks' grid) on explicit vectors where they
+    # fit in s (its rows and columns, or its columns and rows transposed): cells past rows
+    # and cols are the tile's padding, never read.
+    whole_blocks = i0 % MASK_BLOCK == 0 and j0 % MASK_BLOCK == 0 and vector_blocks()
+    whole_blocks = whole_blocks and s.strides[1] == s.itemsize
+    reach = (s.shape[1], s.shape[0]) if transposed else (s.shape[0], s.shape[1])
+    row = s.strides[0] // s.itemsize
     for qb in range(i0 // MASK_BLOCK, (i0 + rows - 1) // MASK_BLOCK + 1):
         r0, r1 = max(qb * MASK_BLOCK - i0, 0), min((qb + 1) * MASK_BLOCK - i0, rows)
         for kb in range(j0 // MASK_BLOCK, (j0 + cols - 1) // MASK_BLOCK + 1):
@@ -298,7 +306,12 @@ def mask_scores(s, transposed, variant, b, h, i0, j0, rows, cols):
             shut = kind == MASK_SHUT
             at = index[0, b, h, qb, kb]
             di, dj = i0 - qb * MASK_BLOCK, j0 - kb * MASK_BLOCK  # the tile's corner in the block
-            if transposed:  # down s's rows, each loop
+            if whole_blocks and r0 + MASK_BLOCK <= reach[0] and c0 + MASK_BLOCK <= reach[1]:
+                if transposed:
+                    add_block(s, c0 * row + r0, values, max(at, 0) * MASK_AREA, shut, True)
+                else:
+                    add_block(s, r0 * row + c0, values, max(at, 0) * MASK_AREA, shut, False)
+            elif transposed:  # down s's rows, each loop
                 for c in range(c0, c1):
                     for r in range(r0, r1):
                         s[c, r] += np.float32(-np.inf) if shut else values[at, di + r, dj + c]
