@@ -23,7 +23,8 @@ acc += P V with the tile's values packed in pairs first (the packing counted in)
 
 Then the fp32 forward's tile step by step, each alone: QK^T, the online softmax on the
 score tile (row max, exp2, sums, the accumulator rescaled: each row's max rising by 0.5
-as in a later key tile), PV; and each one's share of the tile. Likewise the bf16 forward's
+as in a later key tile), PV; and each one's share of the tile. Likewise with the scores
+transposed (AVX-512's route: S^T, the softmax down the keys, O^T), and the bf16 forward's
 on AMX (S^T, the softmax down the keys with P^T rounded to bf16, O^T).
 """
 
@@ -37,7 +38,11 @@ import numpy as np
 import torch
 
 from attnperf.kernels.numba.amx import amx_product, depth_steps
-from attnperf.kernels.numba.attention import online_softmax_rescale, transposed_softmax_to_bf16
+from attnperf.kernels.numba.attention import (
+    online_softmax_rescale,
+    transposed_softmax,
+    transposed_softmax_to_bf16,
+)
 from attnperf.kernels.numba.fastmath import LOG2E
 from attnperf.kernels.numba.jit import FASTMATH, njit
 from attnperf.kernels.numba.kvcache import (
@@ -53,6 +58,7 @@ from attnperf.kernels.numba.microkernels import (
     pack_vnni,
     peak_flops,
     scores_by_dots,
+    target_features,
     tile_product,
     transpose_bf16,
 )
@@ -99,6 +105,17 @@ def repeat_transposed_softmax(reps, s_t, factor, p_t, acc_t, row_max, row_sum, s
         row_max[:] = -np.inf
         transposed_softmax_to_bf16(s_t, factor, p_t, s_t.shape[0], acc_t, row_max, row_sum,
                                    shift, work)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def repeat_fp32_transposed_softmax(reps, scores_t, factor, s_t, acc_t, row_max, row_sum, shift):
+    """The fp32 forward's transposed softmax step `reps` times, each on a fresh copy of
+    `scores_t` (it writes P^T in place), each row's running max reset to -inf."""
+    work = np.empty((3, s_t.shape[1]), np.float32)
+    for _ in range(reps):
+        s_t[:] = scores_t
+        row_max[:] = -np.inf
+        transposed_softmax(s_t, factor, s_t.shape[0], acc_t, row_max, row_sum, shift, work)
 
 
 @njit(fastmath=FASTMATH)
@@ -198,6 +215,14 @@ def products(dim, rounds):
     qkt = median_seconds(lambda n: repeat_gemm(n, q.numpy(), k.numpy(), scores, False, True),
                          reps, rounds)  # fmt: skip
     rows.append(("QK^T (gemm_fp32, B packed per call)", "fp32", flops, qkt, torch_mm(q, k.T)))
+    # The fp32 forward's two with the scores transposed (AVX-512), as `fp32_query_tile`
+    # runs them: S^T = K Q^T (K's rows as they lie, Q^T in panels of 16 query rows), O^T +=
+    # V^T P^T (V as A where it lies, P^T the score tile).
+    s_t_args, o_t_args = fp32_transposed_views(q.numpy(), k.numpy(), v.numpy(), p.numpy())
+    qk_t = median_seconds(repeated(repeat_product, *s_t_args), reps, rounds)
+    rows.append(("S^T = K Q^T (transposed)", "fp32", flops, qk_t, torch_mm(q, k.T)))
+    pv_t = median_seconds(repeated(repeat_product, *o_t_args), reps, rounds)
+    rows.append(("O^T += V^T P^T (transposed)", "fp32", flops, pv_t, torch_mm(p, v)))
 
     q16, k16, v16, p16 = (t.bfloat16() for t in (q, k, v, p))
     panels16 = np.empty((KEYS // 16, dim // 2, 32), np.uint16)
@@ -230,6 +255,20 @@ def products(dim, rounds):
     pv_amx = median_seconds(repeated(repeat_amx, *pv_args), reps, rounds)
     rows.append(("O^T += V^T P^T (AMX tiles)", "amx", flops, pv_amx, torch_mm(p16, v16)))
     return rows
+
+
+def fp32_transposed_views(q, k, v, p):
+    """`tile_product`'s arguments (after the repetitions) for S^T = K Q^T and O^T += V^T
+    P^T as `attention.fp32_query_tile` calls them; p (ROWS, KEYS) stands for P, its
+    transpose for P^T."""
+    dim = q.shape[1]
+    q_t = np.empty((ROWS // 16, dim, 16), np.float32)
+    pack_key_panels(q, q_t)
+    scores_t = np.zeros((KEYS, ROWS), np.float32)
+    p_t, acc_t = np.ascontiguousarray(p.T), np.zeros((dim, ROWS), np.float32)
+    s_t_args = (dim, (k, 0, dim, 1), (q_t, 0, 16, dim * 16), (scores_t, 0, ROWS), KEYS, ROWS)
+    o_t_args = (KEYS, (v, 0, 1, dim), (p_t, 0, ROWS, 16), (acc_t, 0, ROWS), dim, ROWS)
+    return s_t_args, o_t_args
 
 
 def amx_forward_operands(q16, v16, p16):
@@ -326,6 +365,28 @@ def forward_tile(dim, rounds):
     return {"QK^T": qk, "online softmax": softmax - copy, "PV": pv}
 
 
+def fp32_transposed_tile(dim, rounds):
+    """Seconds of the fp32 forward's tile steps alone with the scores transposed (AVX-512):
+    {"S^T = K Q^T", "online softmax", "O^T += V^T P^T"} (the softmax with the scale in its
+    pass, P^T written in place)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(rows, dim, generator=gen).numpy() for rows in (ROWS, KEYS, KEYS))
+    s_t_args, o_t_args = fp32_transposed_views(q, k, v, np.zeros((ROWS, KEYS), np.float32))
+    scores_t = s_t_args[3][0]
+    reps = max(1, int(1e9 / (4 * ROWS * KEYS * dim)))
+    qk = median_seconds(repeated(repeat_product, *s_t_args), reps, rounds)
+    factor = np.float32(dim**-0.5 * LOG2E)
+    s_t, acc_t = np.empty_like(scores_t), np.zeros((dim, ROWS), np.float32)
+    stats = [np.zeros(ROWS, np.float32) for _ in range(3)]
+    softmax = median_seconds(
+        repeated(repeat_fp32_transposed_softmax, scores_t, factor, s_t, acc_t, *stats), reps,
+        rounds,
+    )  # fmt: skip
+    copy = median_seconds(lambda n: repeat_copy(n, scores_t, s_t), reps, rounds)
+    pv = median_seconds(repeated(repeat_product, *o_t_args), reps, rounds)
+    return {"S^T = K Q^T": qk, "online softmax": softmax - copy, "O^T += V^T P^T": pv}
+
+
 def amx_forward_tile(dim, rounds):
     """Seconds of the bf16 forward's tile steps on AMX alone, the scores transposed:
     {"S^T = K Q^T", "online softmax", "O^T += V^T P^T"} (the softmax with the scale and
@@ -377,6 +438,14 @@ def main():
         tile = sum(steps.values())
         shares = (f"{name} {t * 1e6:.0f} us ({t / tile:.0%})" for name, t in steps.items())
         print(f"E = {dim}: tile {tile * 1e6:.0f} us; " + ", ".join(shares))
+    if "avx512f" in target_features():
+        print(f"\nThe fp32 forward's {ROWS} x {KEYS} tile with its scores transposed (AVX-512's"
+              " route), step by step (each alone):")  # fmt: skip
+        for dim in args.head_dims:
+            steps = fp32_transposed_tile(dim, args.rounds)
+            tile = sum(steps.values())
+            shares = (f"{name} {t * 1e6:.0f} us ({t / tile:.0%})" for name, t in steps.items())
+            print(f"E = {dim}: tile {tile * 1e6:.0f} us; " + ", ".join(shares))
     if peaks["amx"] is None:
         return
     print(f"\nThe bf16 forward's {ROWS} x {KEYS} tile on AMX, step by step (each alone):")
