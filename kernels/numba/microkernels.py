@@ -884,8 +884,8 @@ def transpose_block(typingctx, src_view, rows, cols, dst_view):
 
 @intrinsic
 def vector_blocks(typingctx):
-    """Whether numba's target has AVX-512F (`add_block`, `column_maxima`, `exp2_columns`),
-    fixed where the code is compiled."""
+    """Whether numba's target has AVX-512F, fixed where the code is compiled: a kernel
+    asks it before taking a mask's blocks by `add_block`."""
     present = "avx512f" in target_features()
 
     def codegen(context, builder, signature, args):
