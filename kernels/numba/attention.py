@@ -195,6 +195,19 @@ def softmax_state(rows, block_n, value_dim):
 
 
 @njit(fastmath=FASTMATH)
+def start_softmax(acc, state):
+    """A query tile's online softmax before its first key tile, in carved buffers: acc
+    zeroed, and state (3, rows) as each row's running max (-inf: nothing seen yet), sum
+    and shift; returns those three rows."""
+    acc[:] = 0
+    row_max, row_sum, shift = state[0], state[1], state[2]
+    row_max[:] = -np.inf
+    row_sum[:] = 0
+    shift[:] = 0
+    return row_max, row_sum, shift
+
+
+@njit(fastmath=FASTMATH)
 def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
     """out[slot, h, first:first + rows] and their stats (base-2 max, sum; the sink's term
     included) from the online softmax's unnormalised acc, sums and shifts; a uint16 out
@@ -401,11 +414,7 @@ def packed_query_tile(q, v, key_panels, value_pairs, variant, scale, out, stats,
     b, h, slot, q0, i0, rows, k0, kv_len = tile
     width = key_tile_width(kv_len, block_n)
     s, acc, state, p16, _ = packed_tile_buffers(address, rows, width, value_dim, bf16)
-    acc[:] = 0
-    row_max, row_sum, shift = state[0], state[1], state[2]
-    row_max[:] = -np.inf
-    row_sum[:] = 0
-    shift[:] = 0
+    row_max, row_sum, shift = start_softmax(acc, state)
     hk = h // (q_heads // kv_heads)
     q_view = rows_view(q, slot, h, q0 + i0)
     acc_view = (acc, 0, value_dim)
@@ -655,11 +664,7 @@ def amx_query_tile(q, k, values, variant, scale, out, stats, block_m, block_n, t
     pack_key_panels(q[slot, h, q0 + i0 : q0 + i0 + rows], q_t)  # zero rows to a whole tile
     q_view = (q_t, 0, 2 * TILE_PAIRS, depth * 2 * TILE_PAIRS)
     p_view = (p_t, 0, 2 * tile_rows, 2 * TILE_PAIRS)
-    acc_t[:] = 0
-    row_max, row_sum, shift = state[0], state[1], state[2]
-    row_max[:] = -np.inf
-    row_sum[:] = 0
-    shift[:] = 0
+    row_max, row_sum, shift = start_softmax(acc_t, state)
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
         transposed_scores(k, slot, hk, k0 + j0, cols, q_view, s_t, tail)
         factor = modify_transposed(s_t, s_rows, variant, scale2, b, h, i0, rows, j0, cols,
@@ -792,11 +797,7 @@ def fp32_query_tile(q, k, v, variant, scale, out, stats, block_m, block_n, tile,
     s_view = (s_t, 0, tile_rows)
     p_view = (s_t, 0, tile_rows, LANES)
     acc_view = (acc_t, 0, tile_rows)
-    acc_t[:] = 0
-    row_max, row_sum, shift = state[0], state[1], state[2]
-    row_max[:] = -np.inf
-    row_sum[:] = 0
-    shift[:] = 0
+    row_max, row_sum, shift = start_softmax(acc_t, state)
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
         tile_product(dim, ONE, ZERO, rows_view(k, slot, hk, k0 + j0), q_view, s_view, cols,
                      tile_rows)  # fmt: skip
