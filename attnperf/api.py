@@ -101,7 +101,7 @@ def attention(
         )
         chosen = dispatch.select(inputs, backend)
         if metadata is not None:
-            plans.keep_dense_plan(metadata, inputs, chosen)
+            plans.keep_dense_plan(metadata, inputs, backend, chosen)
         return inputs.restore(*chosen.run(inputs))
 
 
@@ -216,7 +216,7 @@ def attention_with_kvcache(
     if step_key is not None and not inputs.needs_grad:
         launch = chosen.kvcache_step(inputs)
         if launch is not None:
-            plans.keep_kvcache_step(step_key, launch)
+            plans.keep_kvcache_step(step_key, backend, launch)
     return inputs.restore(*chosen.run_kvcache(inputs))
 
 

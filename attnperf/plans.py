@@ -43,7 +43,8 @@ _NUMBER = (float, int)
 class DensePlan:
     """What `prepare` and `dispatch.select` found for a call's metadata: the 4-D shapes to
     view q, k, v as (None: they are 4-D already), the checked arguments and the backend.
-    `selection_state`: what the choice read besides the call (dispatch.selection_state)."""
+    `selection_state`: what the choice of `requested` ("auto" or a backend's name) read
+    besides the call (dispatch.selection_state)."""
 
     shapes: tuple[torch.Size, torch.Size, torch.Size] | None
     dropout_p: float
@@ -53,6 +54,7 @@ class DensePlan:
     out_shape: tuple[int, ...]
     variant: Variant
     backend: Backend
+    requested: str
     selection_state: tuple
     forward: Callable[..., object] | None  # the backend's `forward_for`: None, none kept
 
@@ -130,17 +132,19 @@ def dense_key(
 def dense_plan(key: tuple) -> DensePlan | None:
     """The plan kept for `key`, if the backend's choice would still read what it read."""
     plan = _PLANS.get(key)
-    return plan if plan is not None and _current(plan.selection_state) else None
+    return plan if plan is not None and _current(plan.requested, plan.selection_state) else None
 
 
-def _current(selection_state: tuple) -> bool:
-    """Whether the registry and the CPU table in force are the ones a plan read."""
-    now = dispatch.selection_state()
+def _current(requested: str, selection_state: tuple) -> bool:
+    """Whether what the choice of `requested` read (the registry, for "auto" the CPU table
+    in force) is what a plan's choice read."""
+    now = dispatch.selection_state(requested)
     return all(a is b for a, b in zip(selection_state, now, strict=True))
 
 
-def keep_dense_plan(key: tuple, inputs: AttentionInputs, chosen: Backend) -> None:
-    """Keep what a checked call found, for the next call with its metadata (`key`)."""
+def keep_dense_plan(key: tuple, inputs: AttentionInputs, requested: str, chosen: Backend) -> None:
+    """Keep what a checked call found, for the next call with its metadata (`key`), where
+    `chosen` served `requested` ("auto" or its name)."""
     shapes = (inputs.query.shape, inputs.key.shape, inputs.value.shape)
     given = tuple(tensor_key[0] for tensor_key in key[:3])
     plan = DensePlan(
@@ -152,7 +156,8 @@ def keep_dense_plan(key: tuple, inputs: AttentionInputs, chosen: Backend) -> Non
         out_shape=inputs.out_shape,
         variant=inputs.variant,
         backend=chosen,
-        selection_state=dispatch.selection_state(),
+        requested=requested,
+        selection_state=dispatch.selection_state(requested),
         forward=chosen.forward_for(inputs),
     )
     _keep(key, plan)
@@ -213,6 +218,7 @@ class KVCacheStep:
     (`Backend.kvcache_step`), and what the backend's choice read (as DensePlan's)."""
 
     launch: Callable[..., object]
+    requested: str
     selection_state: tuple
 
 
@@ -237,12 +243,14 @@ def kept_kvcache_step(key: tuple) -> Callable[..., object] | None:
     """The step launcher kept for `key`, if the backend's choice would still read what it
     read."""
     step = _PLANS.get(key)
-    return step.launch if step is not None and _current(step.selection_state) else None
+    current = step is not None and _current(step.requested, step.selection_state)
+    return step.launch if current else None
 
 
-def keep_kvcache_step(key: tuple, launch: Callable[..., object]) -> None:
-    """Keep a backend's step launcher for the next call with its key (`kvcache_step_key`)."""
-    _keep(key, KVCacheStep(launch, dispatch.selection_state()))
+def keep_kvcache_step(key: tuple, backend: str, launch: Callable[..., object]) -> None:
+    """Keep a named backend's step launcher for the next call with its key
+    (`kvcache_step_key`)."""
+    _keep(key, KVCacheStep(launch, backend, dispatch.selection_state(backend)))
 
 
 def _keep(key: tuple, plan: object) -> None:

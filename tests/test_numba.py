@@ -191,6 +191,19 @@ def test_the_first_parallel_kernel_leaves_torch_its_thread_count():
     assert result.stdout.strip() == "1"
 
 
+def test_numba_is_given_torchs_thread_count_when_it_changes(monkeypatch):
+    """run_parallel tells numba torch's thread count once, then again only when it changes."""
+    given = []
+    monkeypatch.setattr(launch.numba, "set_num_threads", given.append)
+    monkeypatch.setattr(launch, "_NUMBA_THREADS", threading.local())
+    threads = torch.get_num_threads()
+    for count in (threads, threads, 1, 1, threads):
+        torch.set_num_threads(count)
+        launch.run_parallel(lambda: None)
+    torch.set_num_threads(threads)
+    assert given == ([threads, 1, threads] if threads > 1 else [1])
+
+
 def test_scratch_is_kept_per_slot_and_thread_on_a_line(monkeypatch):
     """A slot's memory serves the next call (no fresh pages to fault in); slots and threads
     never share it; a pack over SCRATCH_MAX_BYTES is allocated afresh."""

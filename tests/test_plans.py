@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attnperf
-from attnperf import api, dispatch, plans
+from attnperf import api, cpu_table, dispatch, plans
 from attnperf.inputs import prepare
 from attnperf.kernels.numba import attention
 
@@ -120,9 +120,23 @@ def test_a_new_cpu_table_or_registry_makes_the_choice_again(prepares, monkeypatc
     attnperf.attention(q, k, v)
     attnperf.attention(q, k, v)
     assert prepares[0] == 1
-    state = dispatch.selection_state()
-    monkeypatch.setattr(dispatch, "selection_state", lambda: (state[0], object()))
+    state = dispatch.selection_state("auto")
+    monkeypatch.setattr(dispatch, "selection_state", lambda backend: (state[0], object()))
     attnperf.attention(q, k, v)
+    assert prepares[0] == 2
+
+
+def test_a_named_backends_plan_outlives_a_new_cpu_table(prepares, monkeypatch):
+    """Only "auto" reads the CPU table: a plan for a named backend stays good under a new
+    one, and goes with a new registry."""
+    q, k, v = qkv(1, 2, 8, 4)
+    attnperf.attention(q, k, v, backend="numba")
+    monkeypatch.setattr(cpu_table, "load_table", lambda path=None: (None, [], "a new table"))
+    attnperf.attention(q, k, v, backend="numba")
+    assert prepares[0] == 1
+    fresh = dict(dispatch.registry())
+    monkeypatch.setattr(dispatch, "registry", lambda: fresh)
+    attnperf.attention(q, k, v, backend="numba")
     assert prepares[0] == 2
 
 

@@ -25,6 +25,12 @@ def as_numpy(tensor: Tensor) -> np.ndarray:
 # layer (where chosen) aborts the process when two Python threads enter it at once (the
 # lock costs well under a microsecond against a call's milliseconds).
 _PARALLEL_REGION = threading.Lock()
+# The count each Python thread last gave numba (numba's count is the calling thread's own).
+# numba.set_num_threads is Python: ~1 us back to back, but ~10 us right after a kernel or a
+# large torch op, whose data evicted the interpreter's from the caches (a decoding step
+# inside a model; Intel Xeon VM), so it is called only when torch's count has changed (a
+# count that other code gives numba in between goes unnoticed).
+_NUMBA_THREADS = threading.local()
 
 
 def run_parallel(kernel, *args) -> None:
@@ -33,7 +39,10 @@ def run_parallel(kernel, *args) -> None:
     pinned = controller.limit(limits=1, user_api="blas") if controller else nullcontext()
     with _PARALLEL_REGION, pinned:
         threads = torch.get_num_threads()
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        count = min(threads, numba.config.NUMBA_NUM_THREADS)
+        if getattr(_NUMBA_THREADS, "count", None) != count:
+            numba.set_num_threads(count)
+            _NUMBA_THREADS.count = count
         # numba and torch share GNU OpenMP: starting numba's pool (the first call) set the
         # caller's OpenMP thread count to numba's, and torch's with it (a caller's
         # torch.set_num_threads(1) read 2 after the first parallel kernel).
