@@ -222,10 +222,13 @@ def attention_with_kvcache(
 
 def _autocast_dtype(query: object) -> torch.dtype | None:
     """The dtype autocast gives attention on query's device, or None outside autocast."""
-    if not isinstance(query, Tensor) or query.device.type not in ("cpu", "cuda"):
+    if not isinstance(query, Tensor):
         return None
-    device = query.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    # is_cpu and is_cuda, not device.type: a device object made per call (~1 us).
+    device = "cpu" if query.is_cpu else "cuda" if query.is_cuda else None
+    if device is None or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
 
 
 def choose_backend(

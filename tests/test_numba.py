@@ -213,6 +213,7 @@ def test_scratch_is_kept_per_slot_and_thread_on_a_line(monkeypatch):
     assert first.ctypes.data % 64 == 0 and again.ctypes.data % 64 == 0
     assert first.shape == (3, 5) and again.dtype == np.uint16
     assert np.shares_memory(first, again) and not np.shares_memory(first, other)
+    assert launch.scratch("b", (3, 5), np.float32) is other  # a repeated request's, kept
     from_thread = []
     worker = threading.Thread(
         target=lambda: from_thread.append(launch.scratch("a", (3, 5), np.float32))

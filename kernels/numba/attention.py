@@ -38,6 +38,7 @@ from attnperf.kernels.numba.jit import (
     split_index,
     strided_at,
     unowned,
+    unowned_members,
     wide_vectors,
 )
 from attnperf.kernels.numba.launch import (
@@ -241,6 +242,7 @@ def forward_arrays(memory):
 def online_softmax_forward(memory, variant, scale, block_m, block_n):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
     2 ** (score - max), the sink's term included; fp32 q, k, v with unit stride along E."""
+    variant = unowned_members(variant)  # held by the caller
     q, k, v, out, stats = forward_arrays(memory)
     q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], v.shape[3]
     group = q_heads // kv_heads
@@ -483,6 +485,7 @@ def packed_forward(memory, workspace, variant, scale, block_m, block_n):
     consecutive ones, one per thread (as prange would share them), each in its own
     workspace row, with no allocation nor a packing pass of its own
     (`packed_forward_items`)."""
+    variant = unowned_members(variant)  # held by the caller
     q, k, v, out, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
@@ -495,6 +498,7 @@ def packed_forward(memory, workspace, variant, scale, block_m, block_n):
 @njit(fastmath=FASTMATH)
 def packed_forward_serial(memory, workspace, variant, scale, block_m, block_n):
     """packed_forward on the calling thread (one query tile: nothing to share)."""
+    variant = unowned_members(variant)  # held by the caller
     q, k, v, out, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
     packed_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
@@ -739,6 +743,7 @@ def amx_forward(memory, workspace, variant, scale, block_m, block_n):
     transposed: the items shared out in workspace.shape[0] runs of consecutive ones, one
     per thread (as prange would share them), each run in its own workspace row, with no
     allocation nor a packing pass of its own (`amx_forward_items`)."""
+    variant = unowned_members(variant)  # held by the caller
     q, k, v, out, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
@@ -751,6 +756,7 @@ def amx_forward(memory, workspace, variant, scale, block_m, block_n):
 @njit(fastmath=FASTMATH)
 def amx_forward_serial(memory, workspace, variant, scale, block_m, block_n):
     """amx_forward on the calling thread (one query tile: nothing to share)."""
+    variant = unowned_members(variant)  # held by the caller
     q, k, v, out, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
     amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
@@ -839,6 +845,7 @@ def fp32_forward(memory, workspace, variant, scale, block_m, block_n):
     items shared out in workspace.shape[0] runs of consecutive ones, one per thread, each
     in its own workspace row (`fp32_forward_items`)."""
     q, k, v, out, stats = forward_arrays(memory)
+    variant = unowned_members(variant)
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
     for run in prange(runs):
@@ -851,6 +858,7 @@ def fp32_forward(memory, workspace, variant, scale, block_m, block_n):
 def fp32_forward_serial(memory, workspace, variant, scale, block_m, block_n):
     """fp32_forward on the calling thread (one query tile: nothing to share)."""
     q, k, v, out, stats = forward_arrays(memory)
+    variant = unowned_members(variant)
     items = forward_items(variant, q.shape[1], block_m)
     fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
                        np.int64(0), items)  # fmt: skip
@@ -875,6 +883,7 @@ def product_with_transposed(a, x_tile, panels, b, hk, j0, out, alpha, tiles):
 def pack_panels(x_any, variant, panels):
     """panels (NS, Hk, S16, E, 16) <- each sequence's keys (or values) of x, per kv head, as
     `pack_key_panels`: x^T for the micro-kernels, a sequence starting at a panel."""
+    variant = unowned_members(variant)  # held by the caller
     x = x_any[0]  # launch.any_layout's view
     kv_heads = x.shape[1]
     for item in prange(variant[4].shape[0] * kv_heads):
@@ -939,6 +948,7 @@ def attention_backward_dq(
 ):  # fmt: skip
     """dq += (and the float mask's gradient dS into dmask, unless it is empty) per query
     tile."""
+    variant = unowned_members(variant)  # held by the caller
     # launch.any_layout's views:
     q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]
     q_heads, kv_heads = q.shape[1], k.shape[1]
@@ -1038,6 +1048,7 @@ def attention_backward_dkdv(
     block_n,
 ):  # fmt: skip
     """dk, dv += per key tile, summed over every query head of the key/value head's group."""
+    variant = unowned_members(variant)  # held by the caller
     # launch.any_layout's views:
     q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]
     kv_heads = k.shape[1]
@@ -1069,6 +1080,7 @@ def attention_backward_fused(
     One prange item per (batch, key/value head) owns every query head of its group, so its
     dq updates need no atomics; worth it when there are enough items for the threads.
     """
+    variant = unowned_members(variant)  # held by the caller
     # launch.any_layout's views:
     q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]
     kv_heads = k.shape[1]
@@ -1139,6 +1151,7 @@ def pack_bf16_backward(q_any, k_any, v_any, do_any, variant, operands):
     in panels (S = Q K^T, dP = dO V^T; `pack_key_panels`), K in pairs of keys (dQ = dS K;
     `pack_vnni`), Q and dO transposed (NS, Hq, E, L + 1: the A operands of dK^T and dV^T,
     zeros past the rows for an odd last pair)."""
+    variant = unowned_members(variant)  # held by the caller
     q, k, v, do = q_any[0], k_any[0], v_any[0], do_any[0]  # launch.any_layout's views
     key_panels, value_panels, key_pairs, q_t, do_t = operands
     kv_heads, q_heads = k.shape[1], q.shape[1]
@@ -1206,6 +1219,7 @@ def bf16_backward_dq(q_any, do_any, operands, variant, scale, stats, delta, dq, 
                      block_n, amx):  # fmt: skip
     """`attention_backward_dq` on bf16 tiles (`pack_bf16_backward`'s operands; `amx`: on
     AMX tiles)."""
+    variant = unowned_members(variant)  # held by the caller
     q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
     key_pairs = operands[2]
     q_heads = q.shape[1]
@@ -1363,6 +1377,7 @@ def bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta,
 def bf16_backward_dkdv(q_any, do_any, operands, variant, scale, stats, delta, dk, dv, block_m,
                        block_n, amx):  # fmt: skip
     """`attention_backward_dkdv` on bf16 tiles."""
+    variant = unowned_members(variant)  # held by the caller
     q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
     kv_heads = operands[2].shape[1]
     kv_tiles = (longest(variant, 4) + block_n - 1) // block_n
@@ -1383,6 +1398,7 @@ def bf16_backward_dkdv(q_any, do_any, operands, variant, scale, stats, delta, dk
 def bf16_backward_fused(q_any, do_any, operands, variant, scale, stats, delta, dq, dk, dv,
                         dmask, block_m, block_n, amx):  # fmt: skip
     """`attention_backward_fused` on bf16 tiles."""
+    variant = unowned_members(variant)  # held by the caller
     q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
     kv_heads = operands[2].shape[1]
     for item in prange(variant[4].shape[0] * kv_heads):
@@ -1555,11 +1571,10 @@ def bf16_bits(tensor: Tensor) -> np.ndarray:
 
 def bf16_operand(tensor: Tensor) -> Tensor:
     """A bf16 tensor as the bf16 tiles read it: itself where E is even and of unit stride,
-    else zero-padded to an even E, contiguous."""
-    tensor = tensor.detach()
+    else zero-padded to an even E, contiguous (detached; as `fp32_operand`)."""
     if tensor.shape[-1] % 2:
-        return torch.nn.functional.pad(tensor, (0, 1))
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+        return torch.nn.functional.pad(tensor.detach(), (0, 1))
+    return tensor if tensor.stride(-1) == 1 else tensor.detach().contiguous()
 
 
 def tile_sizes(inputs: AttentionInputs, backward: bool = False) -> tuple[int, int]:

@@ -37,6 +37,7 @@ from attnperf.kernels.numba.jit import (
     njit,
     prange,
     split_index,
+    unowned_members,
     wide_vectors,
 )
 from attnperf.kernels.numba.launch import as_numpy, empty_output, memory_of, run_parallel
@@ -635,6 +636,7 @@ def kvcache_forward_splits(
     and stats (in the same call: a call into numba costs a step ~10 us). memory: q_rows,
     k_pages, v_pages, out and stats, torch tensors' memory (`kvcache_arrays`). The splits'
     partial results are made here, never leaving the call."""
+    variant = unowned_members(variant)  # held by the caller
     q_rows, k_pages, v_pages, out, stats = kvcache_arrays(memory)
     partial_out = np.empty((splits, *out.shape), np.float32)
     partial_stats = np.empty((splits, *stats.shape), np.float32)
@@ -653,6 +655,7 @@ def kvcache_forward_serial(
 ):  # fmt: skip
     """kvcache_forward_splits on the calling thread: for steps too small to pay for waking
     numba's threads (see PARALLEL_MIN_BYTES)."""
+    variant = unowned_members(variant)  # held by the caller
     q_rows, k_pages, v_pages, out, stats = kvcache_arrays(memory)
     partial_out = np.empty((splits, *out.shape), np.float32)
     partial_stats = np.empty((splits, *stats.shape), np.float32)
