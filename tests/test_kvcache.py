@@ -3,6 +3,7 @@ sequence's cached keys (float64 and same precision): contiguous and paged caches
 GQA packing, in-place append, and bad inputs that must leave the cache untouched."""
 
 import dataclasses
+import itertools
 import re
 
 import pytest
@@ -557,3 +558,16 @@ def test_sdpa_refuses_an_int8_cache_with_the_reason():
     with pytest.raises(attnperf.BackendNotSupportedError, match="an int8 KV cache"):
         attnperf.attention_with_kvcache(**call, backend="sdpa")
     assert dispatch.select(prepare_kvcache(**call)).name != "sdpa"
+
+
+def test_head_major_pages_are_judged_from_strides_as_torch_judges_contiguity():
+    """numba's steps read (P, rows, H, E) pages as (P, H, rows, E) memory where they are a
+    view of it: the stride rule agrees with torch's transposed view's is_contiguous for
+    every permutation of small shapes (dims of one, sliced views)."""
+    for shape in itertools.product([1, 2, 3], repeat=4):
+        base = torch.randn(*shape)
+        for order in itertools.permutations(range(4)):
+            pages = base.permute(*order)
+            for view in (pages, pages[:, :1], pages[..., :1]):
+                expected = not view.is_contiguous() and view.transpose(1, 2).is_contiguous()
+                assert numba_kvcache._is_head_major(view) == expected, (shape, order)

@@ -225,17 +225,20 @@ def whole_call(*args, **kwargs):
     return result
 
 
+@pytest.mark.parametrize("q_len", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_named_backends_plain_steps_run_on_its_step_launcher(binds, dtype):
+def test_a_named_backends_plain_steps_run_on_its_step_launcher(binds, dtype, q_len):
     """transformers' decoding (a growing head-major cache, an int length, numba named): the
     first call runs whole, the next ones on numba's step launcher, each with the whole
     call's result (the same kernel on the same operands); a cache of the other layout
-    under the same metadata too, and LSEs."""
-    q = torch.randn(1, 1, 8, 64, dtype=dtype)
+    under the same metadata too, a whole head-major cache read in place, and LSEs; one
+    token (read and written where it lies) or a few."""
+    q = torch.randn(1, q_len, 8, 64, dtype=dtype)
     keys, values = (torch.randn(1, 2, 300, 64, dtype=dtype) for _ in range(2))
     steps = [(length, *(t[:, :, :length].transpose(1, 2) for t in (keys, values)))
              for length in (100, 101, 299)]  # fmt: skip
     steps.append((200, steps[-1][1].contiguous(), steps[-1][2].contiguous()))  # row-major
+    steps.append((250, keys.transpose(1, 2), values.transpose(1, 2)))  # head-major, in place
     expected = [whole_call(q, k, v, length, backend="numba", return_lse=True)
                 for length, k, v in steps]  # fmt: skip
     assert binds[0] == len(steps)

@@ -40,7 +40,13 @@ from attnperf.kernels.numba.jit import (
     unowned_members,
     wide_vectors,
 )
-from attnperf.kernels.numba.launch import as_numpy, empty_output, memory_of, run_parallel
+from attnperf.kernels.numba.launch import (
+    as_numpy,
+    empty_output,
+    memory_as,
+    memory_of,
+    run_parallel,
+)
 from attnperf.kernels.numba.microkernels import (
     BF16,
     BLOCK_ROWS,
@@ -707,8 +713,16 @@ MIN_SPLIT_KEYS = 256
 
 def _is_head_major(pages: Tensor) -> bool:
     """Whether (P, rows, H, E) pages are a view of C-contiguous (P, H, rows, E) ones (and not
-    C-contiguous themselves: one head or one row is both)."""
-    return not pages.is_contiguous() and pages.transpose(1, 2).is_contiguous()
+    C-contiguous themselves: one head or one row is both). From the strides, as torch
+    judges contiguity (a dim of one has any stride): no transposed view made per step."""
+    if pages.is_contiguous():
+        return False
+    shape, strides, expected = pages.shape, pages.stride(), 1
+    for dim in (3, 1, 2, 0):  # (P, H, rows, E)'s dims, the last first
+        if shape[dim] != 1 and strides[dim] != expected:
+            return False
+        expected *= shape[dim]
+    return True
 
 
 def _page_views(k_pages: Tensor, v_pages: Tensor) -> tuple[Tensor, Tensor, bool]:
@@ -785,26 +799,22 @@ NO_SCALES = np.zeros((0, 0, 0, 0), np.float32)
 
 
 def launch_step(
-    q_rows: Tensor, k_pages: Tensor, v_pages: Tensor, head_major: bool, kind: int, scales: tuple,
-    table: np.ndarray, variant: tuple, scale: float, splits: int, parallel: bool,
-    out_shape: tuple[int, ...], out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(out (B, Hq, Lq, Ev) in out_dtype, fp32 or bf16 (written rounded by merge_splits, no
-    fp32 copy converted), stats (B, Hq, Lq, 2)) of kvcache_forward_splits (`parallel`) or
-    kvcache_forward_serial over the step's tensors (`_pages`, `query_rows`). The kernel
-    reads their memory (`memory_of`): a decoding step is short, and each numpy array made
-    for it in Python cost it ~3 us (2-4x that inside a model's step)."""
-    out = empty_output(out_shape, out_dtype)
-    stats = empty_output((*out_shape[:3], 2), torch.float32)
-    if q_rows.numel() == 0:  # no rows, or E = 0: the merge, which writes every row, never runs
-        return out.zero_(), stats.zero_()
-    memory = tuple(memory_of(t) for t in (q_rows, k_pages, v_pages, out, stats))
+    q_rows: tuple, k_pages: tuple, v_pages: tuple, head_major: bool, kind: int, scales: tuple,
+    table: np.ndarray, variant: tuple, scale: float, splits: int, parallel: bool, out: tuple,
+    stats: tuple,
+) -> None:  # fmt: skip
+    """Run kvcache_forward_splits (`parallel`) or kvcache_forward_serial over a step's
+    memory (`memory_of`'s tuples, whose tensors the caller keeps alive): q_rows (B, H, group
+    Lq, E) (`query_rows`), the pages (`_pages`), out (B, Hq, Lq, Ev) in fp32 or bf16 (written
+    rounded by merge_splits, no fp32 copy converted) and stats (B, Hq, Lq, 2). The kernel
+    reads the tensors' memory: a decoding step is short, and each numpy array made for it in
+    Python cost it ~3 us (2-4x that inside a model's step)."""
+    memory = (q_rows, k_pages, v_pages, out, stats)
     args = (memory, *scales, head_major, table, variant, scale, DECODE_BLOCK_N, kind, splits)
     if parallel:
         run_parallel(kvcache_forward_splits, *args)
     else:
         kvcache_forward_serial(*args)
-    return out, stats
 
 
 def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
@@ -816,12 +826,16 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     if inputs.quantized:  # read in place: codes and scales, C-contiguous
         scales = tuple(as_numpy(t.contiguous()) for t in (inputs.k_scale, inputs.v_scale))
     threads = step_threads(inputs.kv_bytes)
-    out_shape = (*inputs.query.shape[:3], inputs.value_dim)
-    out, stats = launch_step(
-        query_rows(inputs.query, inputs.kv_heads, kind), k_pages, v_pages, head_major, kind,
-        scales, as_numpy(inputs.block_table.cpu()), lower_variant(inputs), inputs.scale,
-        kvcache_splits(inputs, threads), threads > 1, out_shape,
-        torch.bfloat16 if inputs.dtype == torch.bfloat16 else torch.float32,
+    out_dtype = torch.bfloat16 if inputs.dtype == torch.bfloat16 else torch.float32
+    out = empty_output((*inputs.query.shape[:3], inputs.value_dim), out_dtype)
+    stats = empty_output((*out.shape[:3], 2), torch.float32)
+    rows = query_rows(inputs.query, inputs.kv_heads, kind)
+    if rows.numel() == 0:  # no rows, or E = 0: the merge, which writes every row, never runs
+        return out.zero_().to(inputs.dtype), stats.zero_()
+    launch_step(
+        memory_of(rows), memory_of(k_pages), memory_of(v_pages), head_major, kind, scales,
+        as_numpy(inputs.block_table.cpu()), lower_variant(inputs), inputs.scale,
+        kvcache_splits(inputs, threads), threads > 1, memory_of(out), memory_of(stats),
     )  # fmt: skip
     return out.to(inputs.dtype), stats
 
@@ -849,20 +863,50 @@ class KVCacheStep:
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: int):
         """attention_with_kvcache(q, k_cache, v_cache, cache_seqlens) of a step whose
         metadata is the call's this step was made for (a cache of another length), its
-        values checked (`serving.check_step`)."""
-        k_pages, v_pages, head_major = _page_views(k_cache, v_cache)
+        values checked (`serving.check_step`). One token's step makes no view: its query,
+        the pages and its output are read and written where they lie (`memory_as`; inside a
+        model's generate each view cost ~2.5 us, a tenth of the step's Python)."""
+        head_major = _is_head_major(k_cache) and _is_head_major(v_cache)
         kind = self.kinds[head_major]
-        table = Sequences.dense_table(self.batch, self.q_len, cache_seqlens, "bottom_right")
-        threads = step_threads(self.batch * cache_seqlens * self.key_bytes)
-        out, stats = launch_step(
-            query_rows(q.transpose(1, 2), self.kv_heads, kind), k_pages.contiguous(),
-            v_pages.contiguous(), head_major, kind, (NO_SCALES, NO_SCALES), self.table,
-            with_sequences(self.variant, table), self.scale,
-            split_count(self.num_splits, self.batch, cache_seqlens, threads), threads > 1,
-            self.out_shape, self.out_dtype,
-        )  # fmt: skip
-        out = out.transpose(1, 2)
+        k_pages, v_pages = (t if head_major else t.contiguous() for t in (k_cache, v_cache))
+        one_token = self.q_len == 1 and q.is_contiguous() and q.dtype == _ROWS_DTYPE[kind]
+        batch, heads, q_len, value_dim = self.out_shape
+        if one_token:  # (B, 1, Hq, E) is (B, H, group, E) rows, and the output's layouts agree
+            rows = memory_as(q, (batch, self.kv_heads, heads // self.kv_heads, q.shape[3]))
+            out = empty_output((batch, 1, heads, value_dim), self.out_dtype)
+        else:
+            query = query_rows(q.transpose(1, 2), self.kv_heads, kind)  # alive to the return
+            rows = memory_of(query)
+            out = empty_output(self.out_shape, self.out_dtype)
+        stats = empty_output((batch, heads, q_len, 2), torch.float32)
+        table = Sequences.dense_table(batch, q_len, cache_seqlens, "bottom_right")
+        threads = step_threads(batch * cache_seqlens * self.key_bytes)
+        if q.numel() == 0:  # no rows, or E = 0: the merge, which writes every row, never runs
+            out.zero_(), stats.zero_()
+        else:
+            launch_step(
+                rows, _page_memory(k_pages, head_major), _page_memory(v_pages, head_major),
+                head_major, kind, (NO_SCALES, NO_SCALES), self.table,
+                with_sequences(self.variant, table), self.scale,
+                split_count(self.num_splits, batch, cache_seqlens, threads), threads > 1,
+                memory_as(out, self.out_shape), memory_of(stats),
+            )  # fmt: skip
+        out = out if one_token else out.transpose(1, 2)
         return (out, lse_from_stats(stats)) if self.return_lse else out
+
+
+# The dtype of a step's query rows by kind (`query_rows`): bf16 on the bf16 tiles, else fp32.
+_ROWS_DTYPE = {AMX: torch.bfloat16, BF16: torch.bfloat16, FP32: torch.float32,
+               LOOPS: torch.float32}  # fmt: skip
+
+
+def _page_memory(pages: Tensor, head_major: bool) -> tuple:
+    """The memory of (P, rows, H, E) pages as the kernel reads them: (P, H, rows, E) where
+    they are a view of such C-contiguous pages (`_is_head_major`), else as they are."""
+    if not head_major:
+        return memory_of(pages)
+    pages_count, rows, heads, dim = pages.shape
+    return memory_as(pages, (pages_count, heads, rows, dim))
 
 
 def numba_kvcache_step(inputs: KVCacheInputs) -> KVCacheStep | None:

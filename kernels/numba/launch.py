@@ -168,6 +168,16 @@ def memory_of(tensor: Tensor) -> tuple[int, tuple[int, ...], np.ndarray]:
     return tensor.data_ptr(), tuple(tensor.shape), ELEMENTS[tensor.dtype]
 
 
+def memory_as(tensor: Tensor, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...], np.ndarray]:
+    """`memory_of` a tensor read as the C-contiguous array of `shape` that its memory holds:
+    a (B, 1, Hq, E) tensor as (B, Hq, 1, E), a (P, rows, H, E) view of (P, H, rows, E) pages
+    as those. The caller has checked the layout (the element counts are checked here) and
+    keeps the tensor alive through the call."""
+    if math.prod(shape) != tensor.numel():
+        raise ValueError(f"memory_as: {tuple(tensor.shape)} holds no {shape} array")
+    return tensor.data_ptr(), shape, ELEMENTS[tensor.dtype]
+
+
 def strided_memory(tensor: Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], np.ndarray]:
     """An fp32, bf16 or int8 tensor's memory at any strides, as a kernel's `strided_at`
     reads it: (address, shape, strides in elements, an empty array of its element type;
