@@ -434,27 +434,28 @@ def main():
             print(f"| {dim} | {name} | {dtype} | {flops / ours / 1e9:.0f} | "
                   f"{flops / ours / peak:.0%} | {flops / theirs / 1e9:.0f} | "
                   f"{flops / theirs / peak:.0%} | {theirs / ours:.2f}x |")  # fmt: skip
-    print(f"\nThe fp32 forward's {ROWS} x {KEYS} tile, step by step (each alone):")
-    for dim in args.head_dims:
-        steps = forward_tile(dim, args.rounds)
-        tile = sum(steps.values())
-        shares = (f"{name} {t * 1e6:.0f} us ({t / tile:.0%})" for name, t in steps.items())
-        print(f"E = {dim}: tile {tile * 1e6:.0f} us; " + ", ".join(shares))
+    print_tile_steps(f"The fp32 forward's {ROWS} x {KEYS} tile", forward_tile, args.head_dims,
+                     args.rounds)  # fmt: skip
     if "avx512f" in target_features():
-        print(f"\nThe fp32 forward's {ROWS} x {KEYS} tile with its scores transposed (AVX-512's"
-              " route), step by step (each alone):")  # fmt: skip
-        for dim in args.head_dims:
-            steps = fp32_transposed_tile(dim, args.rounds)
-            tile = sum(steps.values())
-            shares = (f"{name} {t * 1e6:.0f} us ({t / tile:.0%})" for name, t in steps.items())
-            print(f"E = {dim}: tile {tile * 1e6:.0f} us; " + ", ".join(shares))
+        print_tile_steps(f"The fp32 forward's {ROWS} x {KEYS} tile with its scores transposed "
+                         "(AVX-512's route)", fp32_transposed_tile, args.head_dims,
+                         args.rounds)  # fmt: skip
     if peaks["amx"] is None:
         return
-    print(f"\nThe bf16 forward's {ROWS} x {KEYS} tile on AMX, step by step (each alone):")
-    for dim in (dim for dim in args.head_dims if dim % 32 == 0):
-        steps = amx_forward_tile(dim, args.rounds)
+    print_tile_steps(f"The bf16 forward's {ROWS} x {KEYS} tile on AMX", amx_forward_tile,
+                     [dim for dim in args.head_dims if dim % 32 == 0], args.rounds,
+                     decimals=1)  # fmt: skip
+
+
+def print_tile_steps(title, tile_steps, head_dims, rounds, decimals=0):
+    """`title`, step by step: each head dim's tile time and each step's time and share, from
+    tile_steps(dim, rounds) -> {step: seconds}."""
+    print(f"\n{title}, step by step (each alone):")
+    for dim in head_dims:
+        steps = tile_steps(dim, rounds)
         tile = sum(steps.values())
-        shares = (f"{name} {t * 1e6:.1f} us ({t / tile:.0%})" for name, t in steps.items())
+        shares = (f"{name} {t * 1e6:.{decimals}f} us ({t / tile:.0%})"
+                  for name, t in steps.items())  # fmt: skip
         print(f"E = {dim}: tile {tile * 1e6:.0f} us; " + ", ".join(shares))
 
 

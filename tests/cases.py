@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 
@@ -347,3 +348,16 @@ def device_for(backend: Backend) -> str:
     if torch.cuda.is_available() and "cuda" in backend.capabilities.devices:
         return "cuda"
     return "cpu"
+
+
+def softmax_score_tile(keys: int, seed: int):
+    """(s_t (keys, 32) float32 scores transposed, shift (32,), factor) for the explicit
+    exp2 passes: key 0 holds -inf, NaN, a score far below its shift and one at it (2 ** 0
+    for row 3); row 8 sees no key (-inf throughout)."""
+    gen = torch.Generator().manual_seed(seed)
+    s_t = (torch.randn(keys, 32, generator=gen) * 40).numpy()
+    s_t[0, :4] = (-np.inf, np.nan, -1e30, 10.0)
+    s_t[:, 8] = -np.inf
+    shift = (torch.randn(32, generator=gen) * 3).numpy()
+    shift[3] = 5.0  # the row's max: its score gives 2 ** 0
+    return s_t, shift, np.float32(0.5)

@@ -4,6 +4,7 @@ operands' padding, and the forward's variants against the float64 reference."""
 import numpy as np
 import pytest
 import torch
+from cases import softmax_score_tile
 
 import attnperf
 from attnperf import dispatch
@@ -141,13 +142,7 @@ def test_exp2_pairs_round_to_bf16_pairs_and_sum_in_fp32():
     """p = 2 ** (factor s - shift) within bf16's rounding of float64's, interleaved by key
     pairs; the sums near fp32's; -inf and scores far below the shift exactly 0 (no subnormal
     results: each cost a microcode assist); NaN stays."""
-    gen = torch.Generator().manual_seed(6)
-    s_t = (torch.randn(6, 32, generator=gen) * 40).numpy()
-    s_t[0, :4] = (-np.inf, np.nan, -1e30, 10.0)
-    s_t[:, 8] = -np.inf  # a row that sees no key adds exactly nothing
-    shift = (torch.randn(32, generator=gen) * 3).numpy()
-    shift[3] = 5.0  # the row's max: its score gives 2 ** 0
-    factor = np.float32(0.5)
+    s_t, shift, factor = softmax_score_tile(6, seed=6)
     p_t, total = np.zeros((3, 64), np.uint16), np.full(32, 0.5, np.float32)
     _exp2_pairs(s_t, shift, factor, p_t, total)
     exact = np.exp2(np.float64(factor) * s_t.astype(np.float64) - shift.astype(np.float64))

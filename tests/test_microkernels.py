@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from cases import softmax_score_tile
 
 import attnperf
 from attnperf import dispatch
@@ -245,13 +246,7 @@ def test_exp2_columns_as_exact_as_exp2_in_place_and_sum_in_fp32(cols):
     degree-5 fit for bf16 misses it), the keys past cols left alone; the sums added
     to the rows' totals; -inf and scores far below the shift exactly 0 (no subnormal
     results: each cost a microcode assist); NaN stays."""
-    gen = torch.Generator().manual_seed(8)
-    s_t = (torch.randn(400, 32, generator=gen) * 40).numpy()
-    s_t[0, :4] = (-np.inf, np.nan, -1e30, 10.0)
-    s_t[:, 8] = -np.inf  # a row that sees no key adds exactly nothing
-    shift = (torch.randn(32, generator=gen) * 3).numpy()
-    shift[3] = 5.0  # the row's max: its score gives 2 ** 0
-    factor = np.float32(0.5)
+    s_t, shift, factor = softmax_score_tile(400, seed=8)
     before, total = s_t.copy(), np.full(32, 0.5, np.float32)
     _exp2_columns(s_t, cols, shift, factor, total)
     assert np.array_equal(s_t[cols:], before[cols:], equal_nan=True)

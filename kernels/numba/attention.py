@@ -844,8 +844,8 @@ def fp32_forward(memory, workspace, variant, scale, block_m, block_n):
     """`packed_forward` for fp32 with the scores transposed (AVX-512: `column_maxima`): the
     items shared out in workspace.shape[0] runs of consecutive ones, one per thread, each
     in its own workspace row (`fp32_forward_items`)."""
+    variant = unowned_members(variant)  # held by the caller
     q, k, v, out, stats = forward_arrays(memory)
-    variant = unowned_members(variant)
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
     for run in prange(runs):
@@ -857,8 +857,8 @@ def fp32_forward(memory, workspace, variant, scale, block_m, block_n):
 @njit(fastmath=FASTMATH)
 def fp32_forward_serial(memory, workspace, variant, scale, block_m, block_n):
     """fp32_forward on the calling thread (one query tile: nothing to share)."""
+    variant = unowned_members(variant)  # held by the caller
     q, k, v, out, stats = forward_arrays(memory)
-    variant = unowned_members(variant)
     items = forward_items(variant, q.shape[1], block_m)
     fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
                        np.int64(0), items)  # fmt: skip

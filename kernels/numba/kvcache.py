@@ -882,7 +882,8 @@ class KVCacheStep:
         table = Sequences.dense_table(batch, q_len, cache_seqlens, "bottom_right")
         threads = step_threads(batch * cache_seqlens * self.key_bytes)
         if q.numel() == 0:  # no rows, or E = 0: the merge, which writes every row, never runs
-            out.zero_(), stats.zero_()
+            out.zero_()
+            stats.zero_()
         else:
             launch_step(
                 rows, _page_memory(k_pages, head_major), _page_memory(v_pages, head_major),

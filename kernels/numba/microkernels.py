@@ -718,6 +718,12 @@ def column_maxima(typingctx, s_t, cols, row, largest):
 EXP2_FLOOR = -125.0
 
 
+def _vector_at(context, builder, array_type, array, offset, vector_type):
+    """A pointer to the vector of `vector_type` at element `offset` of `array`'s data."""
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(builder.gep(data, [offset]), vector_type.as_pointer())
+
+
 def _exp2_vector(builder, t, coefficients):
     """2 ** t on a 16-lane float32 vector, explicitly: t clamped below at EXP2_FLOOR (one
     vmaxps: NaN goes on into the polynomial), 2 ** (t - n) by `coefficients`' polynomial
@@ -765,8 +771,7 @@ def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at
         i16x32 = ir.VectorType(ir.IntType(16), 2 * LANES)
 
         def vector_at(array_type, array, offset, vector_type):
-            data = context.make_array(array_type)(context, builder, array).data
-            return builder.bitcast(builder.gep(data, [offset]), vector_type.as_pointer())
+            return _vector_at(context, builder, array_type, array, offset, vector_type)
 
         arg_types = signature.args
         fma = _function(builder, "llvm.fma.v16f32", f32x16, [f32x16] * 3)
@@ -815,8 +820,7 @@ def exp2_columns(typingctx, s_t, cols, row, shift, factor, total):
         arg_types = signature.args
 
         def vector_at(array_type, array, offset):
-            data = context.make_array(array_type)(context, builder, array).data
-            return builder.bitcast(builder.gep(data, [offset]), f32x16.as_pointer())
+            return _vector_at(context, builder, array_type, array, offset, f32x16)
 
         scores = context.make_array(arg_types[0])(context, builder, s_t)
         stride = cgutils.unpack_tuple(builder, scores.shape)[1]  # elements a key
