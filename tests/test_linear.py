@@ -223,6 +223,33 @@ def test_numba_decoding_step_agrees_on_its_threads_too(monkeypatch):
     check("numba", CASES["step"], backward=False)
 
 
+# numba's chunked forward runs the value heads of a key head in one item where the items
+# still fill the threads: both ways on groups of 3 and 2 (gates per step and per key dim).
+GROUPED = {
+    "gated_delta_groups_of_3": Case(
+        heads=2, value_heads=6, steps=150, gate="scalar", gate_scale=3.0, delta=True,
+        l2norm=True, initial_state=True, cu_seqlens=(0, 30, 150), batch=1,
+    ),
+    "kda": CASES["kda"],
+    "scalar_gqa_odd_dims": CASES["scalar_gqa_odd_dims"],
+}  # fmt: skip
+
+
+@pytest.mark.skipif("numba" not in BACKENDS, reason="numba is unavailable")
+@pytest.mark.parametrize("items_per_thread", [0, 1000])
+@pytest.mark.parametrize("case", GROUPED.values(), ids=list(GROUPED))
+def test_numba_forward_agrees_with_a_key_heads_value_heads_in_one_item_or_not(
+    case, items_per_thread, monkeypatch
+):
+    set_launcher_constant("numba", monkeypatch, "ITEMS_PER_THREAD", items_per_thread)
+    inputs = attnperf.linear_inputs.prepare_linear(**make(case)["tensors"],
+                                                   **make(case)["keywords"])  # fmt: skip
+    group = case.value_heads // case.heads
+    module = sys.modules[dispatch.registry()["numba"].linear_forward.__module__]
+    assert module.value_heads_per_item(inputs, 2) == (group if items_per_thread == 0 else 1)
+    check("numba", case, backward=False)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_in_pieces_then_steps_equals_one_call(backend):
     call = make(Case(steps=90, gate="scalar", delta=True, l2norm=True, initial_state=True))

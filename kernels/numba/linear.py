@@ -13,11 +13,14 @@ gate of the chunk up to i (per key dim for vector gates, else one per step), q^ 
 
 S0 and S1 are the state before and after the chunk. Every exponential is of a non-positive
 difference (gates <= 0), so strong decay underflows to 0 and never overflows. The products
-run on `product`'s tiles (our micro-kernels where AVX2 or AVX-512 serves, else BLAS). The
-forward's items are (sequence, value head); the backward's are (sequence, key head), its
-value heads one after another so that their dq and dk add up in place. It takes each
-chunk's S0 and WY results as the forward kept them, or recomputes them in a first pass over
-the chunks, and walks the chunks in reverse (reverse-mode of the lines above).
+run on `product`'s tiles (our micro-kernels where AVX2 or AVX-512 serves, else BLAS), those
+with a triangular side on its lower blocks only; the WY form's (I + M)^-1 is applied by
+blocked substitution, never formed. The forward's items are a sequence's value heads of
+one key head, which share the key head's rows and plain products (or fewer, to fill the
+threads); the backward's are (sequence, key head), its value heads one after another so
+that their dq and dk add up in place. It takes each chunk's S0 and WY results as the
+forward kept them, or recomputes them in a first pass over the chunks, and walks the
+chunks in reverse (reverse-mode of the lines above).
 """
 
 from __future__ import annotations
@@ -46,11 +49,23 @@ KEPT_MAX_BYTES = 512 << 20
 # Sequences up to this many steps run the per-token kernel when no gradient is needed:
 # decoding and speculative steps (the chunked form's fixed costs dominate short sequences).
 RECURRENT_MAX_STEPS = 16
+# Rows of a block of the delta rule's triangular solves: the rows of earlier blocks reach a
+# block in one product, the block's own by substitution (row pairs of V-wide vectors).
+SOLVE_ROWS = 16
+# Rows of a block of the products with a triangular side: a block of rows i0 .. i0 + 15
+# reads (or writes) columns up to i0 + 15 only, 10/16 of the whole square's work at C = 64
+# (the micro-kernels hold 16 columns a vector).
+TRIANGLE_ROWS = 16
 # Below this many bytes of state, the per-token kernel runs on the calling thread: a gated
 # delta step of Qwen3-Next's heads took 0.44 / 0.46 / 1.37 ms there at B = 1 / 2 / 4 (2 to
 # 8 MiB) against 0.69 / 0.91 / 1.65 ms on two threads, and 3.55 against 2.71 ms at B = 8
 # (benches/linear_decode_threads.py, the AMD EPYC).
 PARALLEL_MIN_BYTES = 16 << 20
+# The chunked forward's items take as many value heads of one key head as leave at least
+# this many items a thread. Value heads in one item share their key head's loads and plain
+# products: Qwen3-Next's heads (two value heads a key head), T = 4096, gated delta rule:
+# 81 ms against 95-100 ms for an item a value head (Intel Xeon, 2 threads).
+ITEMS_PER_THREAD = 2
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -78,9 +93,38 @@ def decay(gamma, i, j, d):
 
 
 @njit(fastmath=FASTMATH)
-def pair_scores(x, y, gamma, gated, strict, out, tiles):
+def lower_scores(x, y, out, tiles):
+    """out[i, j] = sum_d x_id y_jd for j <= i (rows = x.shape[0]; the diagonal blocks'
+    entries above it too, no other above it): x y^T's lower triangle, by row blocks."""
+    rows = x.shape[0]
+    for i0 in range(0, rows, TRIANGLE_ROWS):
+        i1 = min(i0 + TRIANGLE_ROWS, rows)
+        product(x[i0:i1], y[:i1], out[i0:i1, :i1], 1.0, 0.0, False, True, tiles)
+
+
+@njit(fastmath=FASTMATH)
+def lower_times(a, b, c, alpha, beta, tiles):
+    """c = alpha a b + beta c for a lower triangular (rows x rows; the diagonal blocks'
+    entries above it are read, and must be 0, no other above it), by row blocks."""
+    rows = a.shape[0]
+    for i0 in range(0, rows, TRIANGLE_ROWS):
+        i1 = min(i0 + TRIANGLE_ROWS, rows)
+        product(a[i0:i1, :i1], b[:i1], c[i0:i1], alpha, beta, False, False, tiles)
+
+
+@njit(fastmath=FASTMATH)
+def plain_pair_products(x, y, gamma, gated, out, tiles):
+    """out <- x y^T's lower triangle (lower_scores) where pair_scores takes its gates out of
+    the product (no gate, or one per step); nothing for gates per key dim."""
+    if not (gated and gamma.shape[1] > 1):
+        lower_scores(x, y, out, tiles)
+
+
+@njit(fastmath=FASTMATH)
+def pair_scores(x, y, plain, gamma, gated, strict, out):
     """out[i, j] = sum_d x_id y_jd exp(gamma_id - gamma_jd) for j <= i (j < i when strict),
-    0 above, on rows x rows (rows = x.shape[0])."""
+    0 above, on rows x rows (rows = x.shape[0]); `plain` holds plain_pair_products(x, y)
+    (value heads that share x and y share it)."""
     rows = x.shape[0]
     vector = gated and gamma.shape[1] > 1
     if vector:  # exp(gamma_i - gamma_j) differs per key dim: no product to factor out
@@ -91,11 +135,9 @@ def pair_scores(x, y, gamma, gated, strict, out, tiles):
                     total += x[i, d] * y[j, d] * decay(gamma, i, j, d)
                 out[i, j] = total
     else:
-        product(x, y, out[:rows, :rows], 1.0, 0.0, False, True, tiles)
-        if gated:
-            for i in range(rows):
-                for j in range(i + 1 - strict):
-                    out[i, j] *= decay(gamma, i, j, 0)
+        for i in range(rows):
+            for j in range(i + 1 - strict):
+                out[i, j] = plain[i, j] * decay(gamma, i, j, 0) if gated else plain[i, j]
     for i in range(rows):
         for j in range(i + 1 - strict, rows):
             out[i, j] = 0.0
@@ -195,19 +237,36 @@ def add_gate_terms(row, terms, i):
 
 
 @njit(fastmath=FASTMATH)
-def unit_lower_inverse(m, rows, t):
-    """t[:rows, :rows] <- (I + m)^-1 for m strictly lower triangular (forward substitution,
-    row by row: t_i = e_i - sum_{j<i} m_ij t_j)."""
-    for i in range(rows):
-        for j in range(rows):
-            t[i, j] = 0.0
-        for j in range(i):
-            coefficient = m[i, j]
-            if coefficient == 0:
-                continue
-            for c in range(j + 1):
-                t[i, c] -= coefficient * t[j, c]
-        t[i, i] = 1.0
+def solve_unit_lower(m, rows, x, tiles):
+    """x[:rows] <- (I + m)^-1 x[:rows] for m strictly lower triangular (only its entries
+    below the diagonal are read): forward substitution by blocks of SOLVE_ROWS rows, each
+    block first taking the earlier rows' share in one product. Cheaper than forming the
+    inverse (whose row-by-row substitution ran on short, mostly scalar loops) and then
+    multiplying by it."""
+    for i0 in range(0, rows, SOLVE_ROWS):
+        i1 = min(i0 + SOLVE_ROWS, rows)
+        if i0 > 0:
+            product(m[i0:i1, :i0], x[:i0], x[i0:i1], -1.0, 1.0, False, False, tiles)
+        for i in range(i0 + 1, i1):
+            for j in range(i0, i):
+                coefficient = m[i, j]
+                for e in range(x.shape[1]):
+                    x[i, e] -= coefficient * x[j, e]
+
+
+@njit(fastmath=FASTMATH)
+def solve_unit_lower_transposed(m, rows, x, tiles):
+    """x[:rows] <- (I + m)^-T x[:rows] for m strictly lower triangular: back substitution
+    by blocks of SOLVE_ROWS rows from the last (solve_unit_lower's transpose)."""
+    for i0 in range((rows - 1) // SOLVE_ROWS * SOLVE_ROWS, -1, -SOLVE_ROWS):
+        i1 = min(i0 + SOLVE_ROWS, rows)
+        if i1 < rows:
+            product(m[i1:rows, i0:i1], x[i1:rows], x[i0:i1], -1.0, 1.0, True, False, tiles)
+        for i in range(i1 - 2, i0 - 1, -1):
+            for j in range(i + 1, i1):
+                coefficient = m[j, i]
+                for e in range(x.shape[1]):
+                    x[i, e] -= coefficient * x[j, e]
 
 
 @njit(fastmath=FASTMATH)
@@ -245,46 +304,65 @@ def load_rows(x, slot, t0, rows, h, factors, scale, l2norm, out, inverse_norms):
 
 
 @njit(fastmath=FASTMATH)
-def chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, scores, scratch,
+def chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, scores, delta, scratch,
                  tiles):  # fmt: skip
     """A chunk's rows t0 .. t0 + rows - 1 as the products take them, into `scratch`
-    (new_scratch's arrays, (C, ...); only [:rows] is meaningful): gamma, e_in, e_out
-    (chunk_gates; 0, 1, 1 when ungated), qs = q^ (scaled; normalised when asked), kc = k
-    (normalised when asked), q_inv and k_inv their rows' inverse norms, kd = k
-    exp(Gamma_last - Gamma); with `scores` also a = A and qg = q^ exp(Gamma)."""
-    gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, qg, kd = scratch
+    (new_scratch's arrays, (C, ...); only [:rows] is meaningful): key head hk's share
+    (chunk_rows), then value head hv's (chunk_gating)."""
+    chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, scores, delta, scratch, tiles)
+    chunk_gating(g, slot, hv, t0, rows, gated, scores, scratch)
+
+
+@njit(fastmath=FASTMATH)
+def chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, scores, delta, scratch, tiles):
+    """What the value heads of key head hk share of a chunk, into `scratch`: kc = k
+    (normalised when asked), k_inv its rows' inverse norms; with `scores` also qs = q^
+    (scaled; normalised when asked), q_inv, and qk = plain_pair_products(qs, kc); with
+    `delta` kk_plain = plain_pair_products(kc, kc)."""
+    gamma, e_in, _, qs, kc, q_inv, k_inv, _, _, _, qk, kk_plain = scratch
+    no_factor = e_in[:0, 0]
+    load_rows(k, slot, t0, rows, hk, no_factor, np.float32(1.0), l2norm, kc, k_inv)
+    if scores:
+        load_rows(q, slot, t0, rows, hk, no_factor, scale, l2norm, qs, q_inv)
+        plain_pair_products(qs[:rows], kc[:rows], gamma, gated, qk, tiles)
+    if delta:
+        plain_pair_products(kc[:rows], kc[:rows], gamma, gated, kk_plain, tiles)
+
+
+@njit(fastmath=FASTMATH)
+def chunk_gating(g, slot, hv, t0, rows, gated, scores, scratch):
+    """Value head hv's share of a chunk, after chunk_rows, into `scratch`: gamma, e_in,
+    e_out (chunk_gates; 0, 1, 1 when ungated), kd = k exp(Gamma_last - Gamma); with
+    `scores` also a = A and qg = q^ exp(Gamma)."""
+    gamma, e_in, e_out, qs, kc, _, _, a, qg, kd, qk, _ = scratch
     if gated:
         chunk_gates(g, slot, t0, rows, hv, gamma, e_in, e_out)
     no_factor = e_in[:0, 0]
-    load_rows(k, slot, t0, rows, hk, no_factor, np.float32(1.0), l2norm, kc, k_inv)
     scale_rows(kc[:rows], no_factor, e_out, kd[:rows])
     if scores:
-        load_rows(q, slot, t0, rows, hk, no_factor, scale, l2norm, qs, q_inv)
-        pair_scores(qs[:rows], kc[:rows], gamma, gated, 0, a, tiles)
+        pair_scores(qs[:rows], kc[:rows], qk, gamma, gated, 0, a)
         scale_rows(qs[:rows], no_factor, e_in, qg[:rows])
 
 
 @njit(fastmath=FASTMATH)
-def chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm, x, z, u,
-                 tiles):  # fmt: skip
+def chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, x, u, tiles):
     """U, what the chunk writes into the state, from the state S0 before it: v (the additive
-    rule), or the WY form U = T Z (delta rule), with kk (M without beta), m = M, tm = T = (I
-    + M)^-1, x = beta k exp(Gamma) and z = beta v - x S0; all (C, ...), [:rows] meaningful."""
-    gamma, e_in, kc = scratch[0], scratch[1], scratch[4]
+    rule), or the WY form U = (I + M)^-1 Z (delta rule), with kk (M without beta), m = M,
+    x = beta k exp(Gamma) and Z = beta v - x S0; all (C, ...), [:rows] meaningful."""
+    gamma, e_in, kc, kk_plain = scratch[0], scratch[1], scratch[4], scratch[11]
     no_factor = e_in[:0, 0]
     if not delta:
         load_rows(v, slot, t0, rows, hv, no_factor, np.float32(1.0), False, u, no_factor)
         return
     b_c = beta[slot, t0 : t0 + rows, hv]
-    pair_scores(kc[:rows], kc[:rows], gamma, gated, 1, kk, tiles)
+    pair_scores(kc[:rows], kc[:rows], kk_plain, gamma, gated, 1, kk)
     for i in range(rows):
         for j in range(i):
             m[i, j] = b_c[i] * kk[i, j]
-    unit_lower_inverse(m, rows, tm)
     scale_rows(kc[:rows], b_c, e_in, x[:rows])
-    load_rows(v, slot, t0, rows, hv, b_c, np.float32(1.0), False, z, no_factor)
-    product(x[:rows], state, z[:rows], -1.0, 1.0, False, False, tiles)
-    product(tm[:rows, :rows], z[:rows], u[:rows], 1.0, 0.0, False, False, tiles)
+    load_rows(v, slot, t0, rows, hv, b_c, np.float32(1.0), False, u, no_factor)
+    product(x[:rows], state, u[:rows], -1.0, 1.0, False, False, tiles)
+    solve_unit_lower(m, rows, u, tiles)
 
 
 @njit(fastmath=FASTMATH)
@@ -300,84 +378,91 @@ def advance_state(state, e_in, rows, gated, kd, u, tiles):
 
 @njit(fastmath=FASTMATH)
 def new_scratch(head_dim, gate_dims):
-    """chunk_inputs' scratch arrays, one set per item (see chunk_inputs)."""
+    """chunk_inputs' scratch arrays, one set per item: gamma, e_in, e_out, qs, kc, q_inv,
+    k_inv, a, qg, kd, qk, kk_plain (see chunk_rows and chunk_gating)."""
     c, f = CHUNK, np.float32
     return (
         np.zeros((c, gate_dims), np.float64), np.ones((c, gate_dims), f),
         np.ones((c, gate_dims), f), np.empty((c, head_dim), f), np.empty((c, head_dim), f),
         np.ones(c, f), np.ones(c, f), np.empty((c, c), f), np.empty((c, head_dim), f),
-        np.empty((c, head_dim), f),
+        np.empty((c, head_dim), f), np.empty((c, c), f), np.empty((c, c), f),
     )  # fmt: skip
 
 
 @njit()
 def kept_shapes(heads, chunks, head_dim, value_dim, delta):
     """The shapes of what the backward takes of each chunk, (heads, chunks, ...): its start
-    state S0 (K, V), and the delta rule's chunk_update results kk, tm (C, C), x (C, K), u
-    (C, V) (no chunks of these for the additive rule, whose u is v)."""
+    state S0 (K, V), and the delta rule's chunk_update results kk (C, C), x (C, K), u (C, V)
+    (no chunks of these for the additive rule, whose u is v)."""
     c = CHUNK
     wy = chunks if delta else 0
     return (
-        (heads, chunks, head_dim, value_dim), (heads, wy, c, c), (heads, wy, c, c),
-        (heads, wy, c, head_dim), (heads, wy, c, value_dim),
+        (heads, chunks, head_dim, value_dim), (heads, wy, c, c), (heads, wy, c, head_dim),
+        (heads, wy, c, value_dim),
     )  # fmt: skip
 
 
 @njit()
 def new_kept(heads, chunks, head_dim, value_dim, delta):
     """kept_shapes' arrays (for a thread that recomputes them)."""
-    s0, s1, s2, s3, s4 = kept_shapes(heads, chunks, head_dim, value_dim, delta)
+    s0, s1, s2, s3 = kept_shapes(heads, chunks, head_dim, value_dim, delta)
     f = np.float32
-    return np.empty(s0, f), np.empty(s1, f), np.empty(s2, f), np.empty(s3, f), np.empty(s4, f)
+    return np.empty(s0, f), np.empty(s1, f), np.empty(s2, f), np.empty(s3, f)
 
 
 @njit(fastmath=FASTMATH)
 def new_update(head_dim, value_dim):
-    """chunk_update's arrays for one chunk: kk, m, tm (C, C), x (C, K), z, u (C, V)."""
+    """chunk_update's arrays for one chunk: kk, m (C, C), x (C, K), u (C, V)."""
     c, f = CHUNK, np.float32
     return (
-        np.empty((c, c), f), np.zeros((c, c), f), np.empty((c, c), f),
-        np.empty((c, head_dim), f), np.empty((c, value_dim), f), np.empty((c, value_dim), f),
+        np.empty((c, c), f), np.empty((c, c), f), np.empty((c, head_dim), f),
+        np.empty((c, value_dim), f),
     )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- kernels
 @njit(parallel=True, fastmath=FASTMATH)
 def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
-                           final, kept, firsts, tiles):  # fmt: skip
+                           final, kept, firsts, per_item, tiles):  # fmt: skip
     """out (B, T, HV, V) and final (N, HV, K, V) by chunks; h0 (N, HV, K, V) or empty. With
     `kept` (kept_shapes' arrays over every sequence's chunks, sequence n's from firsts[n]; no
-    chunks: nothing kept), what the backward takes of each chunk."""
+    chunks: nothing kept), what the backward takes of each chunk. An item is a sequence's
+    `per_item` value heads of one key head (a divisor of the group), chunk by chunk: they
+    share each chunk's rows of q and k and their plain products (chunk_rows)."""
     heads, value_dim = v.shape[2], v.shape[3]
     group = heads // k.shape[2]
     head_dim = k.shape[3]
-    for item in prange(sequences.shape[0] * heads):
-        n, hv = np.int64(item) // heads, np.int64(item) % heads
+    runs = heads // per_item
+    for item in prange(sequences.shape[0] * runs):
+        n, first_head = np.int64(item) // runs, np.int64(item) % runs * per_item
         slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
-        state = final[n, hv]
-        if h0.shape[0] > 0:
-            state[:] = h0[n, hv]
-        else:
-            state[:] = 0.0
+        for hv in range(first_head, first_head + per_item):
+            if h0.shape[0] > 0:
+                final[n, hv] = h0[n, hv]
+            else:
+                final[n, hv] = 0.0
         scratch = new_scratch(head_dim, g.shape[3])
-        _, e_in, _, _, _, _, _, a, qg, kd = scratch
-        kk, m, tm, x, z, u = new_update(head_dim, value_dim)
-        starts, kks, tms, xs, us = kept
+        _, e_in, _, _, _, _, _, a, qg, kd, _, _ = scratch
+        kk, m, x, u = new_update(head_dim, value_dim)
+        starts, kks, xs, us = kept
         for c, t0 in enumerate(range(start, start + length, CHUNK)):
             rows = min(CHUNK, start + length - t0)
-            if starts.shape[1] > 0:
-                starts[hv, firsts[n] + c] = state
-            if kks.shape[1] > 0:
-                chunk = firsts[n] + c
-                kk, tm, x, u = kks[hv, chunk], tms[hv, chunk], xs[hv, chunk], us[hv, chunk]
-            chunk_inputs(q, k, g, scale, l2norm, slot, hv, hv // group, t0, rows, gated, True,
-                         scratch, tiles)  # fmt: skip
-            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm,
-                         x, z, u, tiles)  # fmt: skip
-            o = out[slot, t0 : t0 + rows, hv]
-            product(qg[:rows], state, o, 1.0, 0.0, False, False, tiles)
-            product(a[:rows, :rows], u[:rows], o, 1.0, 1.0, False, False, tiles)
-            advance_state(state, e_in, rows, gated, kd, u, tiles)
+            chunk = firsts[n] + c
+            chunk_rows(q, k, scale, l2norm, slot, first_head // group, t0, rows, gated, True,
+                       delta, scratch, tiles)  # fmt: skip
+            for hv in range(first_head, first_head + per_item):
+                state = final[n, hv]
+                if starts.shape[1] > 0:
+                    starts[hv, chunk] = state
+                if kks.shape[1] > 0:
+                    kk, x, u = kks[hv, chunk], xs[hv, chunk], us[hv, chunk]
+                chunk_gating(g, slot, hv, t0, rows, gated, True, scratch)
+                chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m,
+                             x, u, tiles)  # fmt: skip
+                o = out[slot, t0 : t0 + rows, hv]
+                product(qg[:rows], state, o, 1.0, 0.0, False, False, tiles)
+                lower_times(a[:rows, :rows], u[:rows], o, 1.0, 1.0, tiles)
+                advance_state(state, e_in, rows, gated, kd, u, tiles)
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -443,21 +528,21 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
     head's other value heads)."""
     dq, dk, dv, dg, dbeta, dh0 = grads
     own_kept, state, scratch, update, work = buffers
-    kk, m, tm, x, z, u = update
+    kk, m, x, u = update
     ds, du, da, dqg, dkd, dqs, dk_c, dg_c, own, to_last, dx, dz, dkk, row, decays = work
     heads, value_dim = v.shape[2], v.shape[3]
     head_dim, gate_dims = k.shape[3], g.shape[3]
     hk = hv // (heads // k.shape[2])
     slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
     chunks = (length + CHUNK - 1) // CHUNK
-    gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, qg, kd = scratch
+    gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, qg, kd, _, _ = scratch
     recompute = kept[0].shape[1] == 0  # the forward kept nothing: into own_kept, here
     head = 0 if recompute else hv
     if recompute:
         kept, first = own_kept, 0
-    starts, kks, tms, xs, us = kept
+    starts, kks, xs, us = kept
     last = first + chunks
-    starts, kks, tms = starts[head, first:last], kks[head, first:last], tms[head, first:last]
+    starts, kks = starts[head, first:last], kks[head, first:last]
     xs, us = xs[head, first:last], us[head, first:last]
     if recompute:
         if h0.shape[0] > 0:
@@ -469,11 +554,11 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
             rows = min(CHUNK, start + length - t0)
             starts[c] = state
             if delta:
-                kk, tm, x, u = kks[c], tms[c], xs[c], us[c]
-            chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, False, scratch,
-                         tiles)  # fmt: skip
-            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, tm,
-                         x, z, u, tiles)  # fmt: skip
+                kk, x, u = kks[c], xs[c], us[c]
+            chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, False, delta,
+                         scratch, tiles)  # fmt: skip
+            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, x,
+                         u, tiles)  # fmt: skip
             advance_state(state, e_in, rows, gated, kd, u, tiles)
     if grad_final.shape[0] > 0:
         ds[:] = grad_final[n, hv]
@@ -483,12 +568,13 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
         t0 = start + c * CHUNK
         rows = min(CHUNK, start + length - t0)
         s0 = starts[c]
-        chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, True, scratch, tiles)
+        chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, True, False,
+                     scratch, tiles)  # fmt: skip
         if delta:
-            kk, tm, x, u = kks[c], tms[c], xs[c], us[c]
+            kk, x, u = kks[c], xs[c], us[c]
         else:
-            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, s0, scratch, kk, m, tm, x,
-                         z, u, tiles)  # fmt: skip
+            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, s0, scratch, kk, m, x, u,
+                         tiles)  # fmt: skip
         k_c = kc[:rows]
         do = grad_out[slot, t0 : t0 + rows, hv]
         dqs[:rows] = 0.0
@@ -513,9 +599,13 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
                 for e in range(value_dim):
                     ds[d, e] *= factor
         product(qg[:rows], do, ds, 1.0, 1.0, True, False, tiles)
-        if delta:  # U = T Z, Z = diag(beta) v - X S0, T = (I + M)^-1, M = diag(beta) kk
+        if delta:  # U = (I + M)^-1 Z, Z = diag(beta) v - X S0, M = diag(beta) kk
             b_c = beta[slot, t0 : t0 + rows, hv]
-            product(tm[:rows, :rows], du[:rows], dz[:rows], 1.0, 0.0, True, False, tiles)
+            for i in range(rows):
+                for j in range(i):
+                    m[i, j] = b_c[i] * kk[i, j]
+            dz[:rows] = du[:rows]
+            solve_unit_lower_transposed(m, rows, dz, tiles)
             product(dz[:rows], s0, dx[:rows], -1.0, 0.0, False, True, tiles)
             product(x[:rows], dz[:rows], ds, -1.0, 1.0, True, False, tiles)
             # dM = -T^T (dU Z^T) T^T = -dZ U^T; its entries below the diagonal are read
@@ -673,6 +763,18 @@ def chunk_firsts(inputs: LinearAttentionInputs) -> tuple[np.ndarray, int]:
     return np.concatenate(([0], np.cumsum(chunks)[:-1])).astype(np.int64), int(chunks.sum())
 
 
+def value_heads_per_item(inputs: LinearAttentionInputs, threads: int) -> int:
+    """The most value heads of one key head (a divisor of the group) that an item of the
+    chunked forward can take while leaving ITEMS_PER_THREAD items to each thread; 1 at
+    least."""
+    group = inputs.value_heads // inputs.key_heads
+    for per_item in range(group, 1, -1):
+        items = inputs.count * inputs.value_heads // per_item
+        if group % per_item == 0 and items >= ITEMS_PER_THREAD * threads:
+            return per_item
+    return 1
+
+
 def _kept_shapes(inputs: LinearAttentionInputs, chunks: int) -> tuple:
     """kept_shapes of the call's value heads for `chunks` chunks."""
     return kept_shapes(inputs.value_heads, chunks, inputs.head_dim, inputs.value_dim,
@@ -710,7 +812,8 @@ def numba_linear_forward(
     keep = runs and backward and kept_bytes <= KEPT_MAX_BYTES
     kept, kept_arrays = _kept(inputs, chunks if keep else 0)
     if runs:
-        run_parallel(linear_forward_chunked, *args, kept_arrays, firsts, tiles_flag())
+        per_item = value_heads_per_item(inputs, torch.get_num_threads())
+        run_parallel(linear_forward_chunked, *args, kept_arrays, firsts, per_item, tiles_flag())
     return out.to(inputs.dtype), final, kept if keep else ()
 
 

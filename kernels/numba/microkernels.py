@@ -46,6 +46,7 @@ from attnperf.kernels.numba.jit import (
     llvm_binding,
     njit,
     types,
+    unowned_members,
     wide_vectors,
 )
 
@@ -483,6 +484,9 @@ def gemm_fp32(a, b, c, alpha, beta, trans_a, trans_b):
     rows, cols = c.shape
     if rows == 0 or cols == 0:
         return
+    # Held by the caller: the views below then count no references (an atomic add and
+    # subtract for each array at every micro-kernel's call).
+    a, b, c = unowned_members((a, b, c))
     depth = a.shape[0] if trans_a else a.shape[1]
     a_row_stride, a_depth_stride = a.strides[0] // 4, a.strides[1] // 4
     if trans_a:
