@@ -208,7 +208,8 @@ def test_forward_keeps_its_chunks_for_the_backward_within_its_budget(backend, mo
 
 
 @pytest.mark.parametrize(
-    "backend, case", [p for p in grid(["gated_delta", "additive"]) if p.values[0] in FUSED]
+    "backend, case",
+    [p for p in grid(["gated_delta", "additive", "wide_delta"]) if p.values[0] in FUSED],
 )
 def test_gradients_agree_when_the_backward_recomputes_the_chunks(backend, case, monkeypatch):
     set_launcher_constant(backend, monkeypatch, "KEPT_MAX_BYTES", 0)

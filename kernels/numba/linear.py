@@ -15,12 +15,12 @@ S0 and S1 are the state before and after the chunk. Every exponential is of a no
 difference (gates <= 0), so strong decay underflows to 0 and never overflows. The products
 run on `product`'s tiles (our micro-kernels where AVX2 or AVX-512 serves, else BLAS), those
 with a triangular side on its lower blocks only; the WY form's (I + M)^-1 is applied by
-blocked substitution, never formed. The forward's items are a sequence's value heads of
-one key head, which share the key head's rows and plain products (or fewer, to fill the
-threads); the backward's are (sequence, key head), its value heads one after another so
-that their dq and dk add up in place. It takes each chunk's S0 and WY results as the
-forward kept them, or recomputes them in a first pass over the chunks, and walks the
-chunks in reverse (reverse-mode of the lines above).
+blocked substitution, never formed. An item is a sequence's value heads of one key head
+(the forward's: fewer where the items would not fill the threads), chunk by chunk: they
+share the key head's rows and plain products, and in the backward sum their dq and dk
+first. The backward takes each chunk's S0 and WY results as the forward kept them, or
+recomputes them in a first pass over the chunks, and walks the chunks in reverse
+(reverse-mode of the lines above).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs
 # Steps per chunk: the intra-chunk work (C^2 (K + V) per chunk) against the state's (C K V).
 CHUNK = 64
 # The forward keeps each chunk's start state (and the delta rule's WY results) for the
-# backward when they take at most this many bytes per call (T x HV x 2.5 KiB at K = V = 128
-# with the delta rule: 160 MiB at T = 2048, HV = 32); beyond, the backward recomputes them:
+# backward when they take at most this many bytes per call (T x HV x 1.75 KiB at K = V =
+# 128 with the delta rule: 112 MiB at T = 2048, HV = 32); beyond, the backward recomputes them:
 # a forward pass of products, ~23% of the backward's time (T = 2048, the AMD EPYC). Every
 # layer of a model being trained holds its call's until the backward: 0 always recomputes,
 # as fla does.
@@ -197,10 +197,9 @@ def pair_scores_backward(d_out, scores, x, y, gamma, gated, strict, dx, dy, dg, 
 
 
 @njit(fastmath=FASTMATH)
-def to_raw(grad, loaded, scale, inverse_norm, l2norm, accumulate, out):
-    """out <- (or += with `accumulate`) the gradient of a raw row x from `grad`, that of
-    loaded = scale * n(x) (n the l2norm when asked: dx = r (dn - n (n . dn)), r the inverse
-    norm)."""
+def to_raw(grad, loaded, scale, inverse_norm, l2norm, out):
+    """out <- the gradient of a raw row x from `grad`, that of loaded = scale * n(x) (n the
+    l2norm when asked: dx = r (dn - n (n . dn)), r the inverse norm)."""
     total = np.float32(0.0)
     if l2norm:
         for d in range(grad.shape[0]):
@@ -208,10 +207,8 @@ def to_raw(grad, loaded, scale, inverse_norm, l2norm, accumulate, out):
         total /= scale  # n . (scale dloaded) with n = loaded / scale
     else:
         inverse_norm = np.float32(1.0)
-    if not accumulate:  # (never read out: its memory is new)
-        out[:] = 0.0
     for d in range(grad.shape[0]):
-        out[d] += inverse_norm * (grad[d] * scale - loaded[d] * total)
+        out[d] = inverse_norm * (grad[d] * scale - loaded[d] * total)
 
 
 @njit(fastmath=FASTMATH)
@@ -392,22 +389,20 @@ def new_scratch(head_dim, gate_dims):
 @njit()
 def kept_shapes(heads, chunks, head_dim, value_dim, delta):
     """The shapes of what the backward takes of each chunk, (heads, chunks, ...): its start
-    state S0 (K, V), and the delta rule's chunk_update results kk (C, C), x (C, K), u (C, V)
-    (no chunks of these for the additive rule, whose u is v)."""
+    state S0 (K, V), and the delta rule's chunk_update results kk (C, C) and u (C, V) (no
+    chunks of these for the additive rule, whose u is v; x, a row scaling of k, is
+    recomputed)."""
     c = CHUNK
     wy = chunks if delta else 0
-    return (
-        (heads, chunks, head_dim, value_dim), (heads, wy, c, c), (heads, wy, c, head_dim),
-        (heads, wy, c, value_dim),
-    )  # fmt: skip
+    return (heads, chunks, head_dim, value_dim), (heads, wy, c, c), (heads, wy, c, value_dim)
 
 
 @njit()
 def new_kept(heads, chunks, head_dim, value_dim, delta):
     """kept_shapes' arrays (for a thread that recomputes them)."""
-    s0, s1, s2, s3 = kept_shapes(heads, chunks, head_dim, value_dim, delta)
+    s0, s1, s2 = kept_shapes(heads, chunks, head_dim, value_dim, delta)
     f = np.float32
-    return np.empty(s0, f), np.empty(s1, f), np.empty(s2, f), np.empty(s3, f)
+    return np.empty(s0, f), np.empty(s1, f), np.empty(s2, f)
 
 
 @njit(fastmath=FASTMATH)
@@ -444,7 +439,7 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
         scratch = new_scratch(head_dim, g.shape[3])
         _, e_in, _, _, _, _, _, a, qg, kd, _, _ = scratch
         kk, m, x, u = new_update(head_dim, value_dim)
-        starts, kks, xs, us = kept
+        starts, kks, us = kept
         for c, t0 in enumerate(range(start, start + length, CHUNK)):
             rows = min(CHUNK, start + length - t0)
             chunk = firsts[n] + c
@@ -455,7 +450,7 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
                 if starts.shape[1] > 0:
                     starts[hv, chunk] = state
                 if kks.shape[1] > 0:
-                    kk, x, u = kks[hv, chunk], xs[hv, chunk], us[hv, chunk]
+                    kk, u = kks[hv, chunk], us[hv, chunk]
                 chunk_gating(g, slot, hv, t0, rows, gated, True, scratch)
                 chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m,
                              x, u, tiles)  # fmt: skip
@@ -473,9 +468,8 @@ def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gate
     dbeta (B, T, HV), dh0 (N, HV, K, V); grad_final empty when none; `kept` and firsts as
     the forward wrote them, or kept without chunks: recomputed here.
 
-    An item is a (sequence, key head): its value heads one after the other, so that their
-    dq and dk add up in place. Each thread takes every `workers`-th item, with buffers of its
-    own for the longest sequence."""
+    An item is a (sequence, key head) with its value heads (backward_item). Each thread
+    takes every `workers`-th item, with buffers of its own for the longest sequence."""
     heads, value_dim = v.shape[2], v.shape[3]
     key_heads, head_dim, gate_dims = k.shape[2], k.shape[3], g.shape[3]
     group = heads // key_heads
@@ -488,178 +482,186 @@ def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gate
     grads = (dq, dk, dv, dg, dbeta, dh0)
     recompute = kept[0].shape[1] == 0
     for worker in prange(workers):
-        buffers = backward_buffers(most if recompute else 0, head_dim, value_dim, gate_dims,
-                                   delta)  # fmt: skip
+        buffers = backward_buffers(group, most if recompute else 0, head_dim, value_dim,
+                                   gate_dims, delta)  # fmt: skip
         for item in range(worker, items, workers):
             n, hk = np.int64(item) // key_heads, np.int64(item) % key_heads
-            for hv in range(hk * group, (hk + 1) * group):
-                backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
-                              grad_out, grad_final, kept, firsts[n], grads, n, hv,
-                              hv > hk * group, buffers, tiles)  # fmt: skip
+            backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
+                          grad_out, grad_final, kept, firsts[n], grads, n, hk, buffers,
+                          tiles)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
-def backward_buffers(chunks, head_dim, value_dim, gate_dims, delta):
+def backward_buffers(group, chunks, head_dim, value_dim, gate_dims, delta):
     """One thread's arrays for backward_item: what it keeps of each chunk when it recomputes
-    them (new_kept, one head of `chunks`), the running state, chunk_inputs' scratch,
-    chunk_update's arrays, and the second pass's gradients of one chunk."""
+    them (new_kept, `group` heads of `chunks`), the group's running states, chunk_inputs'
+    scratch, chunk_update's arrays, and the second pass's gradients of one chunk (and the
+    group's dS)."""
     c, f = CHUNK, np.float32
     work = (
-        np.empty((head_dim, value_dim), f), np.empty((c, value_dim), f), np.empty((c, c), f),
+        np.empty((group, head_dim, value_dim), f), np.empty((c, value_dim), f),
+        np.empty((c, c), f),
         np.empty((c, head_dim), f), np.empty((c, head_dim), f), np.empty((c, head_dim), f),
         np.empty((c, head_dim), f), np.empty((c, gate_dims), f), np.empty((c, gate_dims), f),
         np.empty((c, gate_dims), f), np.empty((c, head_dim), f), np.empty((c, value_dim), f),
         np.empty((c, c), f), np.empty(head_dim, f), np.empty(head_dim, f),
     )  # fmt: skip
     return (
-        new_kept(1, chunks, head_dim, value_dim, delta), np.empty((head_dim, value_dim), f),
-        new_scratch(head_dim, gate_dims), new_update(head_dim, value_dim), work,
+        new_kept(group, chunks, head_dim, value_dim, delta),
+        np.empty((group, head_dim, value_dim), f), new_scratch(head_dim, gate_dims),
+        new_update(head_dim, value_dim), work,
     )  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
 def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, grad_out,
-                  grad_final, kept, first, grads, n, hv, accumulate, buffers,
-                  tiles):  # fmt: skip
-    """Sequence n, value head hv of linear_backward_chunked, in its thread's buffers: the
-    chunks' start states (and WY results) from `kept` (its chunks from `first`), or when it
-    has none, from a first pass over the chunks; then the chunks in reverse, dS carried from
-    the last to the first. dq and dk are written, or added to with `accumulate` (the key
-    head's other value heads)."""
+                  grad_final, kept, first, grads, n, hk, buffers, tiles):  # fmt: skip
+    """Sequence n, key head hk of linear_backward_chunked with its value heads, in its
+    thread's buffers: each value head's chunk start states (and WY results) from `kept`
+    (its chunks from `first`), or when it has none, from a first pass over the chunks; then
+    the chunks in reverse, each value head's dS carried from the last to the first. The
+    value heads share each chunk's rows of q and k and their plain products, and their dq
+    and dk add up before they reach the raw q and k."""
     dq, dk, dv, dg, dbeta, dh0 = grads
-    own_kept, state, scratch, update, work = buffers
+    own_kept, states, scratch, update, work = buffers
     kk, m, x, u = update
-    ds, du, da, dqg, dkd, dqs, dk_c, dg_c, own, to_last, dx, dz, dkk, row, decays = work
+    dss, du, da, dqg, dkd, dqs, dk_c, dg_c, own, to_last, dx, dz, dkk, row, decays = work
     heads, value_dim = v.shape[2], v.shape[3]
     head_dim, gate_dims = k.shape[3], g.shape[3]
-    hk = hv // (heads // k.shape[2])
+    group = heads // k.shape[2]
+    first_head = hk * group
     slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
     chunks = (length + CHUNK - 1) // CHUNK
     gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, qg, kd, _, _ = scratch
     recompute = kept[0].shape[1] == 0  # the forward kept nothing: into own_kept, here
-    head = 0 if recompute else hv
+    kept_head = first_head  # the group's first head in kept's arrays
     if recompute:
-        kept, first = own_kept, 0
-    starts, kks, xs, us = kept
-    last = first + chunks
-    starts, kks = starts[head, first:last], kks[head, first:last]
-    xs, us = xs[head, first:last], us[head, first:last]
+        kept, first, kept_head = own_kept, 0, 0
+    starts, kks, us = kept
     if recompute:
-        if h0.shape[0] > 0:
-            state[:] = h0[n, hv]
-        else:
-            state[:] = 0.0
+        for member in range(group):
+            if h0.shape[0] > 0:
+                states[member] = h0[n, first_head + member]
+            else:
+                states[member] = 0.0
         for c in range(chunks):
             t0 = start + c * CHUNK
             rows = min(CHUNK, start + length - t0)
-            starts[c] = state
-            if delta:
-                kk, x, u = kks[c], xs[c], us[c]
-            chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, False, delta,
-                         scratch, tiles)  # fmt: skip
-            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, x,
-                         u, tiles)  # fmt: skip
-            advance_state(state, e_in, rows, gated, kd, u, tiles)
-    if grad_final.shape[0] > 0:
-        ds[:] = grad_final[n, hv]
-    else:
-        ds[:] = 0.0
+            chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, False, delta, scratch,
+                       tiles)  # fmt: skip
+            for member in range(group):
+                hv, state = first_head + member, states[member]
+                starts[member, c] = state
+                if delta:
+                    kk, u = kks[member, c], us[member, c]
+                chunk_gating(g, slot, hv, t0, rows, gated, False, scratch)
+                chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, x,
+                             u, tiles)  # fmt: skip
+                advance_state(state, e_in, rows, gated, kd, u, tiles)
+    for member in range(group):
+        if grad_final.shape[0] > 0:
+            dss[member] = grad_final[n, first_head + member]
+        else:
+            dss[member] = 0.0
     for c in range(chunks - 1, -1, -1):
         t0 = start + c * CHUNK
         rows = min(CHUNK, start + length - t0)
-        s0 = starts[c]
-        chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, True, False,
-                     scratch, tiles)  # fmt: skip
-        if delta:
-            kk, x, u = kks[c], xs[c], us[c]
-        else:
-            chunk_update(v, beta, slot, hv, t0, rows, gated, delta, s0, scratch, kk, m, x, u,
-                         tiles)  # fmt: skip
-        k_c = kc[:rows]
-        do = grad_out[slot, t0 : t0 + rows, hv]
+        chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, True, False, scratch, tiles)
         dqs[:rows] = 0.0
         dk_c[:rows] = 0.0
-        dg_c[:rows] = 0.0
-        own[:rows] = 0.0
-        to_last[:rows] = 0.0
-        # O = qg S0 + A U and S1 = exp(Gamma_last) S0 + kd^T U:
-        product(a[:rows, :rows], do, du[:rows], 1.0, 0.0, True, False, tiles)
-        product(kd[:rows], ds, du[:rows], 1.0, 1.0, False, False, tiles)
-        product(do, u[:rows], da[:rows, :rows], 1.0, 0.0, False, True, tiles)
-        product(do, s0, dqg[:rows], 1.0, 0.0, False, True, tiles)
-        product(u[:rows], ds, dkd[:rows], 1.0, 0.0, False, True, tiles)
-        if gated:  # S1's exp(Gamma_last) S0 term, before ds becomes dS0
-            for d in range(head_dim):
-                gd = d if gate_dims > 1 else 0
-                factor = e_in[rows - 1, gd]
-                total = np.float32(0.0)
-                for e in range(value_dim):
-                    total += ds[d, e] * s0[d, e]
-                own[rows - 1, gd] += total * factor
-                for e in range(value_dim):
-                    ds[d, e] *= factor
-        product(qg[:rows], do, ds, 1.0, 1.0, True, False, tiles)
-        if delta:  # U = (I + M)^-1 Z, Z = diag(beta) v - X S0, M = diag(beta) kk
-            b_c = beta[slot, t0 : t0 + rows, hv]
-            for i in range(rows):
-                for j in range(i):
-                    m[i, j] = b_c[i] * kk[i, j]
-            dz[:rows] = du[:rows]
-            solve_unit_lower_transposed(m, rows, dz, tiles)
-            product(dz[:rows], s0, dx[:rows], -1.0, 0.0, False, True, tiles)
-            product(x[:rows], dz[:rows], ds, -1.0, 1.0, True, False, tiles)
-            # dM = -T^T (dU Z^T) T^T = -dZ U^T; its entries below the diagonal are read
-            product(dz[:rows], u[:rows], dkk[:rows, :rows], -1.0, 0.0, False, True, tiles)
-            for i in range(rows):  # x = beta kg, kg = k exp(Gamma); z = beta v - x S0
-                b = b_c[i]
-                gate_row(e_in, i, decays)
-                total = np.float32(0.0)
+        for member in range(group):
+            hv, at, chunk = first_head + member, kept_head + member, first + c
+            s0, ds = starts[at, chunk], dss[member]
+            chunk_gating(g, slot, hv, t0, rows, gated, True, scratch)
+            if delta:
+                kk, u = kks[at, chunk], us[at, chunk]
+            else:
+                chunk_update(v, beta, slot, hv, t0, rows, gated, delta, s0, scratch, kk, m, x,
+                             u, tiles)  # fmt: skip
+            k_c = kc[:rows]
+            do = grad_out[slot, t0 : t0 + rows, hv]
+            dg_c[:rows] = 0.0
+            own[:rows] = 0.0
+            to_last[:rows] = 0.0
+            # O = qg S0 + A U and S1 = exp(Gamma_last) S0 + kd^T U:
+            product(a[:rows, :rows], do, du[:rows], 1.0, 0.0, True, False, tiles)
+            product(kd[:rows], ds, du[:rows], 1.0, 1.0, False, False, tiles)
+            product(do, u[:rows], da[:rows, :rows], 1.0, 0.0, False, True, tiles)
+            product(do, s0, dqg[:rows], 1.0, 0.0, False, True, tiles)
+            product(u[:rows], ds, dkd[:rows], 1.0, 0.0, False, True, tiles)
+            if gated:  # S1's exp(Gamma_last) S0 term, before ds becomes dS0
                 for d in range(head_dim):
-                    kg = k_c[i, d] * decays[d]
-                    total += dx[i, d] * kg
-                    dk_c[i, d] += dx[i, d] * b * decays[d]
-                    row[d] = dx[i, d] * b * kg
+                    gd = d if gate_dims > 1 else 0
+                    factor = e_in[rows - 1, gd]
+                    total = np.float32(0.0)
+                    for e in range(value_dim):
+                        total += ds[d, e] * s0[d, e]
+                    own[rows - 1, gd] += total * factor
+                    for e in range(value_dim):
+                        ds[d, e] *= factor
+            product(qg[:rows], do, ds, 1.0, 1.0, True, False, tiles)
+            if delta:  # U = (I + M)^-1 Z, Z = diag(beta) v - X S0, M = diag(beta) kk
+                b_c = beta[slot, t0 : t0 + rows, hv]
+                for i in range(rows):
+                    for j in range(i):
+                        m[i, j] = b_c[i] * kk[i, j]
+                dz[:rows] = du[:rows]
+                solve_unit_lower_transposed(m, rows, dz, tiles)
+                scale_rows(kc[:rows], b_c, e_in, x[:rows])
+                product(dz[:rows], s0, dx[:rows], -1.0, 0.0, False, True, tiles)
+                product(x[:rows], dz[:rows], ds, -1.0, 1.0, True, False, tiles)
+                # dM = -T^T (dU Z^T) T^T = -dZ U^T; its entries below the diagonal are read
+                product(dz[:rows], u[:rows], dkk[:rows, :rows], -1.0, 0.0, False, True, tiles)
+                for i in range(rows):  # x = beta kg, kg = k exp(Gamma); z = beta v - x S0
+                    b = b_c[i]
+                    gate_row(e_in, i, decays)
+                    total = np.float32(0.0)
+                    for d in range(head_dim):
+                        kg = k_c[i, d] * decays[d]
+                        total += dx[i, d] * kg
+                        dk_c[i, d] += dx[i, d] * b * decays[d]
+                        row[d] = dx[i, d] * b * kg
+                    add_gate_terms(row, own, i)
+                    for e in range(value_dim):
+                        total += dz[i, e] * v[slot, t0 + i, hv, e]
+                        dv[slot, t0 + i, hv, e] = dz[i, e] * b
+                    for j in range(i):
+                        total += dkk[i, j] * kk[i, j]
+                        dkk[i, j] *= b
+                    dbeta[slot, t0 + i, hv] = total
+                pair_scores_backward(dkk, kk, k_c, k_c, gamma, gated, 1, dk_c[:rows],
+                                     dk_c[:rows], dg_c, tiles)  # fmt: skip
+            else:
+                dv[slot, t0 : t0 + rows, hv] = du[:rows]
+            pair_scores_backward(da, a, qs[:rows], k_c, gamma, gated, 0, dqs[:rows], dk_c[:rows],
+                                 dg_c, tiles)  # fmt: skip
+            for i in range(rows):  # qg = q^ exp(Gamma), kd = k exp(Gamma_last - Gamma)
+                gate_row(e_in, i, decays)
+                for d in range(head_dim):
+                    dqs[i, d] += dqg[i, d] * decays[d]
+                    row[d] = dqg[i, d] * qg[i, d]
                 add_gate_terms(row, own, i)
-                for e in range(value_dim):
-                    total += dz[i, e] * v[slot, t0 + i, hv, e]
-                    dv[slot, t0 + i, hv, e] = dz[i, e] * b
-                for j in range(i):
-                    total += dkk[i, j] * kk[i, j]
-                    dkk[i, j] *= b
-                dbeta[slot, t0 + i, hv] = total
-            pair_scores_backward(dkk, kk, k_c, k_c, gamma, gated, 1, dk_c[:rows],
-                                 dk_c[:rows], dg_c, tiles)  # fmt: skip
-        else:
-            dv[slot, t0 : t0 + rows, hv] = du[:rows]
-        pair_scores_backward(da, a, qs[:rows], k_c, gamma, gated, 0, dqs[:rows], dk_c[:rows],
-                             dg_c, tiles)  # fmt: skip
-        for i in range(rows):  # qg = q^ exp(Gamma), kd = k exp(Gamma_last - Gamma)
-            gate_row(e_in, i, decays)
-            for d in range(head_dim):
-                dqs[i, d] += dqg[i, d] * decays[d]
-                row[d] = dqg[i, d] * qg[i, d]
-            add_gate_terms(row, own, i)
-            gate_row(e_out, i, decays)
-            for d in range(head_dim):
-                dk_c[i, d] += dkd[i, d] * decays[d]
-                row[d] = dkd[i, d] * kd[i, d]
-            add_gate_terms(row, to_last, i)
+                gate_row(e_out, i, decays)
+                for d in range(head_dim):
+                    dk_c[i, d] += dkd[i, d] * decays[d]
+                    row[d] = dkd[i, d] * kd[i, d]
+                add_gate_terms(row, to_last, i)
+            if gated:  # Gamma_i = sum_{s <= i} g_s
+                for d in range(gate_dims):
+                    total = np.float32(0.0)  # own terms of i >= s
+                    for i in range(rows - 1, -1, -1):
+                        total += own[i, d]
+                        dg_c[i, d] += total
+                    total = np.float32(0.0)  # pairs (i, last) with i < s
+                    for i in range(1, rows):
+                        total += to_last[i - 1, d]
+                        dg_c[i, d] += total
+                dg[slot, t0 : t0 + rows, hv] = dg_c[:rows]
         for i in range(rows):  # to the raw q and k (through their l2norm, when asked)
-            to_raw(dqs[i], qs[i], scale, q_inv[i], l2norm, accumulate, dq[slot, t0 + i, hk])
-            to_raw(dk_c[i], kc[i], np.float32(1.0), k_inv[i], l2norm, accumulate,
-                   dk[slot, t0 + i, hk])  # fmt: skip
-        if gated:  # Gamma_i = sum_{s <= i} g_s
-            for d in range(gate_dims):
-                total = np.float32(0.0)  # own terms of i >= s
-                for i in range(rows - 1, -1, -1):
-                    total += own[i, d]
-                    dg_c[i, d] += total
-                total = np.float32(0.0)  # pairs (i, last) with i < s
-                for i in range(1, rows):
-                    total += to_last[i - 1, d]
-                    dg_c[i, d] += total
-            dg[slot, t0 : t0 + rows, hv] = dg_c[:rows]
-    dh0[n, hv] = ds
+            to_raw(dqs[i], qs[i], scale, q_inv[i], l2norm, dq[slot, t0 + i, hk])
+            to_raw(dk_c[i], kc[i], np.float32(1.0), k_inv[i], l2norm, dk[slot, t0 + i, hk])
+    for member in range(group):
+        dh0[n, first_head + member] = dss[member]
 
 
 @njit(fastmath=FASTMATH)
