@@ -243,8 +243,8 @@ def test_numba_forward_agrees_with_a_key_heads_value_heads_in_one_item_or_not(
     case, items_per_thread, monkeypatch
 ):
     set_launcher_constant("numba", monkeypatch, "ITEMS_PER_THREAD", items_per_thread)
-    inputs = attnperf.linear_inputs.prepare_linear(**make(case)["tensors"],
-                                                   **make(case)["keywords"])  # fmt: skip
+    call = make(case)
+    inputs = attnperf.linear_inputs.prepare_linear(**call["tensors"], **call["keywords"])
     group = case.value_heads // case.heads
     module = sys.modules[dispatch.registry()["numba"].linear_forward.__module__]
     assert module.value_heads_per_item(inputs, 2) == (group if items_per_thread == 0 else 1)

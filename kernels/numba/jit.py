@@ -92,12 +92,17 @@ def unowned(typingctx, array):
     right after its last use, which `unowned` would be."""
 
     def codegen(context, builder, signature, args):
-        view = context.make_array(signature.args[0])(context, builder, args[0])
-        view.meminfo = cgutils.get_null_value(view.meminfo.type)
-        view.parent = cgutils.get_null_value(view.parent.type)
-        return view._getvalue()
+        return _unowned_value(context, builder, signature.args[0], args[0])
 
     return array(array), codegen
+
+
+def _unowned_value(context, builder, array_type, value):
+    """An array value of array_type with no memory owner (`unowned`'s codegen)."""
+    view = context.make_array(array_type)(context, builder, value)
+    view.meminfo = cgutils.get_null_value(view.meminfo.type)
+    view.parent = cgutils.get_null_value(view.parent.type)
+    return view._getvalue()
 
 
 @intrinsic
@@ -114,12 +119,8 @@ def unowned_members(typingctx, values):
         result = args[0]
         for i, member in enumerate(signature.args[0].types):
             if isinstance(member, types.Array):
-                view = context.make_array(member)(
-                    context, builder, builder.extract_value(result, i)
-                )
-                view.meminfo = cgutils.get_null_value(view.meminfo.type)
-                view.parent = cgutils.get_null_value(view.parent.type)
-                result = builder.insert_value(result, view._getvalue(), i)
+                view = _unowned_value(context, builder, member, builder.extract_value(result, i))
+                result = builder.insert_value(result, view, i)
         return result
 
     return values(values), codegen

@@ -234,6 +234,15 @@ def add_gate_terms(row, terms, i):
 
 
 @njit(fastmath=FASTMATH)
+def delta_matrix(kk, b_c, rows, m):
+    """m[i, j] <- b_c[i] kk[i, j] below the diagonal (j < i < rows): the WY form's M (only
+    its entries below the diagonal are ever read)."""
+    for i in range(rows):
+        for j in range(i):
+            m[i, j] = b_c[i] * kk[i, j]
+
+
+@njit(fastmath=FASTMATH)
 def solve_unit_lower(m, rows, x, tiles):
     """x[:rows] <- (I + m)^-1 x[:rows] for m strictly lower triangular (only its entries
     below the diagonal are read): forward substitution by blocks of SOLVE_ROWS rows, each
@@ -301,18 +310,9 @@ def load_rows(x, slot, t0, rows, h, factors, scale, l2norm, out, inverse_norms):
 
 
 @njit(fastmath=FASTMATH)
-def chunk_inputs(q, k, g, scale, l2norm, slot, hv, hk, t0, rows, gated, scores, delta, scratch,
-                 tiles):  # fmt: skip
-    """A chunk's rows t0 .. t0 + rows - 1 as the products take them, into `scratch`
-    (new_scratch's arrays, (C, ...); only [:rows] is meaningful): key head hk's share
-    (chunk_rows), then value head hv's (chunk_gating)."""
-    chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, scores, delta, scratch, tiles)
-    chunk_gating(g, slot, hv, t0, rows, gated, scores, scratch)
-
-
-@njit(fastmath=FASTMATH)
 def chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, scores, delta, scratch, tiles):
-    """What the value heads of key head hk share of a chunk, into `scratch`: kc = k
+    """What the value heads of key head hk share of chunk t0 .. t0 + rows - 1, into `scratch`
+    (new_scratch's arrays, (C, ...); only [:rows] is meaningful): kc = k
     (normalised when asked), k_inv its rows' inverse norms; with `scores` also qs = q^
     (scaled; normalised when asked), q_inv, and qk = plain_pair_products(qs, kc); with
     `delta` kk_plain = plain_pair_products(kc, kc)."""
@@ -353,9 +353,7 @@ def chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, 
         return
     b_c = beta[slot, t0 : t0 + rows, hv]
     pair_scores(kc[:rows], kc[:rows], kk_plain, gamma, gated, 1, kk)
-    for i in range(rows):
-        for j in range(i):
-            m[i, j] = b_c[i] * kk[i, j]
+    delta_matrix(kk, b_c, rows, m)
     scale_rows(kc[:rows], b_c, e_in, x[:rows])
     load_rows(v, slot, t0, rows, hv, b_c, np.float32(1.0), False, u, no_factor)
     product(x[:rows], state, u[:rows], -1.0, 1.0, False, False, tiles)
@@ -375,8 +373,8 @@ def advance_state(state, e_in, rows, gated, kd, u, tiles):
 
 @njit(fastmath=FASTMATH)
 def new_scratch(head_dim, gate_dims):
-    """chunk_inputs' scratch arrays, one set per item: gamma, e_in, e_out, qs, kc, q_inv,
-    k_inv, a, qg, kd, qk, kk_plain (see chunk_rows and chunk_gating)."""
+    """chunk_rows' and chunk_gating's scratch arrays, one set per item: gamma, e_in, e_out,
+    qs, kc, q_inv, k_inv, a, qg, kd, qk, kk_plain."""
     c, f = CHUNK, np.float32
     return (
         np.zeros((c, gate_dims), np.float64), np.ones((c, gate_dims), f),
@@ -494,8 +492,8 @@ def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gate
 @njit(fastmath=FASTMATH)
 def backward_buffers(group, chunks, head_dim, value_dim, gate_dims, delta):
     """One thread's arrays for backward_item: what it keeps of each chunk when it recomputes
-    them (new_kept, `group` heads of `chunks`), the group's running states, chunk_inputs'
-    scratch, chunk_update's arrays, and the second pass's gradients of one chunk (and the
+    them (new_kept, `group` heads of `chunks`), the group's running states, new_scratch's
+    arrays, chunk_update's arrays, and the second pass's gradients of one chunk (and the
     group's dS)."""
     c, f = CHUNK, np.float32
     work = (
@@ -602,9 +600,7 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
             product(qg[:rows], do, ds, 1.0, 1.0, True, False, tiles)
             if delta:  # U = (I + M)^-1 Z, Z = diag(beta) v - X S0, M = diag(beta) kk
                 b_c = beta[slot, t0 : t0 + rows, hv]
-                for i in range(rows):
-                    for j in range(i):
-                        m[i, j] = b_c[i] * kk[i, j]
+                delta_matrix(kk, b_c, rows, m)
                 dz[:rows] = du[:rows]
                 solve_unit_lower_transposed(m, rows, dz, tiles)
                 scale_rows(kc[:rows], b_c, e_in, x[:rows])
