@@ -251,6 +251,23 @@ def test_numba_forward_agrees_with_a_key_heads_value_heads_in_one_item_or_not(
     check("numba", case, backward=False)
 
 
+@pytest.mark.skipif("numba" not in BACKENDS, reason="numba is unavailable")
+def test_numba_chunk_buffers_start_on_cache_lines():
+    """The chunked kernels' own operands of the micro-kernels (scratch, WY results, kept
+    chunks, running states) start on 64-byte lines, and so do their rows where they hold
+    whole lines: a vector load off a line touches two."""
+    module = sys.modules[dispatch.registry()["numba"].linear_forward.__module__]
+    scratch = module.new_scratch(48, 1)
+    states = module.new_states(3, 48, 32)
+    arrays = [
+        *(scratch[i] for i in (3, 4, 7, 8, 9, 10, 11)), *module.new_update(48, 32),
+        *module.new_kept(3, 2, 48, 32, True), states,
+    ]  # fmt: skip
+    for array in arrays:
+        assert array.ctypes.data % 64 == 0 and array.strides[-2] % 64 == 0, array.shape
+    assert states.shape == (3, 48, 32 + module.STATE_PAD)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_in_pieces_then_steps_equals_one_call(backend):
     call = make(Case(steps=90, gate="scalar", delta=True, l2norm=True, initial_state=True))

@@ -177,17 +177,6 @@ def zero_to_step(x, rows, cols):
 
 
 @njit()
-def aligned_empty(rows, cols, like):
-    """An uninitialised (rows, cols) array of like's dtype whose data starts on a 64-byte
-    line: a tile's rows then lie in whole lines (numba's arrays start on 32 bytes; off a
-    line, QK^T's tile stores and P V's tile loads took 1.3-1.9x the time)."""
-    extra = 64 // like.itemsize
-    flat = np.empty(rows * cols + extra, like.dtype)
-    skip = (-flat.ctypes.data % 64) // like.itemsize
-    return flat[skip : skip + rows * cols].reshape((rows, cols))
-
-
-@njit()
 def _tile_block(a_view, b_view, c_view, two_rows, two_cols, steps, accumulate):
     """One block of C: 1-2 x 1-2 accumulator tiles over `steps` tiles of depth."""
     a, a_at, a_stride = a_view

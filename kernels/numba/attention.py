@@ -13,7 +13,6 @@ from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.amx import (
     TILE_PAIRS,
     TILE_ROWS,
-    aligned_empty,
     amx_product,
     depth_steps,
     whole_tiles,
@@ -29,6 +28,7 @@ from attnperf.kernels.numba.fastmath import (
 )
 from attnperf.kernels.numba.jit import (
     FASTMATH,
+    aligned_empty,
     array_at,
     carve,
     data_address,

@@ -14,7 +14,6 @@ from attnperf.kernels.numba.amx import (
     TILE_CONFIG,
     TILE_PAIRS,
     TILE_ROWS,
-    aligned_empty,
     amx_product,
     configure_tiles,
     depth_steps,
@@ -33,6 +32,7 @@ from attnperf.kernels.numba.attention import (
 from attnperf.kernels.numba.fastmath import LOG2E, widen
 from attnperf.kernels.numba.jit import (
     FASTMATH,
+    aligned_empty,
     array_at,
     njit,
     prange,
