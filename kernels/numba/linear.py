@@ -32,7 +32,14 @@ import torch
 from torch import Tensor
 
 from attnperf.kernels.numba.fastmath import LOG2E, exp2
-from attnperf.kernels.numba.jit import FASTMATH, aligned_empty, njit, prange, prefetch
+from attnperf.kernels.numba.jit import (
+    FASTMATH,
+    aligned_empty,
+    njit,
+    prange,
+    prefetch,
+    wide_vectors,
+)
 from attnperf.kernels.numba.launch import as_numpy, float32_array, run_parallel
 from attnperf.kernels.numba.tiles import product, tiles_flag
 from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs
@@ -127,10 +134,28 @@ def plain_pair_products(x, y, gamma, gated, out, tiles):
 
 
 @njit(fastmath=FASTMATH)
-def pair_scores(x, y, plain, gamma, gated, strict, out):
+def pair_decays(gamma, rows, decays):
+    """decays[i, j] <- exp(Gamma_i - Gamma_j) for j <= i < rows, 0 above (one gate column):
+    what a value head's A and k k^T both take. Whole rows in the vector loop (the
+    exponent held at 0 above the diagonal): a triangle's short rows ran mostly in its
+    scalar remainder."""
+    wide_vectors()
+    scaled = np.empty(rows, np.float64)  # contiguous, unlike gamma's column
+    for i in range(rows):
+        scaled[i] = gamma[i, 0] * LOG2E
+    for i in range(rows):
+        for j in range(rows):
+            d = exp2(np.float32(min(scaled[i] - scaled[j], 0.0)))
+            decays[i, j] = d if j <= i else np.float32(0.0)
+
+
+@njit(fastmath=FASTMATH)
+def pair_scores(x, y, plain, gamma, decays, gated, strict, out):
     """out[i, j] = sum_d x_id y_jd exp(gamma_id - gamma_jd) for j <= i (j < i when strict),
     0 above, on rows x rows (rows = x.shape[0]); `plain` holds plain_pair_products(x, y)
-    (value heads that share x and y share it)."""
+    (value heads that share x and y share it), `decays` pair_decays(gamma) for a gate
+    column."""
+    wide_vectors()
     rows = x.shape[0]
     vector = gated and gamma.shape[1] > 1
     if vector:  # exp(gamma_i - gamma_j) differs per key dim: no product to factor out
@@ -140,13 +165,14 @@ def pair_scores(x, y, plain, gamma, gated, strict, out):
                 for d in range(x.shape[1]):
                     total += x[i, d] * y[j, d] * decay(gamma, i, j, d)
                 out[i, j] = total
+            for j in range(i + 1 - strict, rows):
+                out[i, j] = 0.0
     else:
         for i in range(rows):
-            for j in range(i + 1 - strict):
-                out[i, j] = plain[i, j] * decay(gamma, i, j, 0) if gated else plain[i, j]
-    for i in range(rows):
-        for j in range(i + 1 - strict, rows):
-            out[i, j] = 0.0
+            last = i - strict
+            for j in range(rows):
+                factor = decays[i, j] if gated else np.float32(1.0)
+                out[i, j] = plain[i, j] * factor if j <= last else np.float32(0.0)
 
 
 @njit(fastmath=FASTMATH)
@@ -325,7 +351,7 @@ def chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, scores, delta, sc
     (normalised when asked), k_inv its rows' inverse norms; with `scores` also qs = q^
     (scaled; normalised when asked), q_inv, and qk = plain_pair_products(qs, kc); with
     `delta` kk_plain = plain_pair_products(kc, kc)."""
-    gamma, e_in, _, qs, kc, q_inv, k_inv, _, _, _, qk, kk_plain = scratch
+    gamma, e_in, _, qs, kc, q_inv, k_inv, _, _, _, qk, kk_plain, _ = scratch
     no_factor = e_in[:0, 0]
     load_rows(k, slot, t0, rows, hk, no_factor, np.float32(1.0), l2norm, kc, k_inv)
     if scores:
@@ -338,15 +364,17 @@ def chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, scores, delta, sc
 @njit(fastmath=FASTMATH)
 def chunk_gating(g, slot, hv, t0, rows, gated, scores, scratch):
     """Value head hv's share of a chunk, after chunk_rows, into `scratch`: gamma, e_in,
-    e_out (chunk_gates; 0, 1, 1 when ungated), kd = k exp(Gamma_last - Gamma); with
-    `scores` also a = A and qg = q^ exp(Gamma)."""
-    gamma, e_in, e_out, qs, kc, _, _, a, qg, kd, qk, _ = scratch
+    e_out (chunk_gates; 0, 1, 1 when ungated), decays (pair_decays, for a gate a step), kd
+    = k exp(Gamma_last - Gamma); with `scores` also a = A and qg = q^ exp(Gamma)."""
+    gamma, e_in, e_out, qs, kc, _, _, a, qg, kd, qk, _, decays = scratch
     if gated:
         chunk_gates(g, slot, t0, rows, hv, gamma, e_in, e_out)
+        if gamma.shape[1] == 1:
+            pair_decays(gamma, rows, decays)
     no_factor = e_in[:0, 0]
     scale_rows(kc[:rows], no_factor, e_out, kd[:rows])
     if scores:
-        pair_scores(qs[:rows], kc[:rows], qk, gamma, gated, 0, a)
+        pair_scores(qs[:rows], kc[:rows], qk, gamma, decays, gated, 0, a)
         scale_rows(qs[:rows], no_factor, e_in, qg[:rows])
 
 
@@ -355,13 +383,13 @@ def chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, 
     """U, what the chunk writes into the state, from the state S0 before it: v (the additive
     rule), or the WY form U = (I + M)^-1 Z (delta rule), with kk (M without beta), m = M,
     x = beta k exp(Gamma) and Z = beta v - x S0; all (C, ...), [:rows] meaningful."""
-    gamma, e_in, kc, kk_plain = scratch[0], scratch[1], scratch[4], scratch[11]
+    gamma, e_in, kc, kk_plain, decays = scratch[0], scratch[1], scratch[4], scratch[11], scratch[12]
     no_factor = e_in[:0, 0]
     if not delta:
         load_rows(v, slot, t0, rows, hv, no_factor, np.float32(1.0), False, u, no_factor)
         return
     b_c = beta[slot, t0 : t0 + rows, hv]
-    pair_scores(kc[:rows], kc[:rows], kk_plain, gamma, gated, 1, kk)
+    pair_scores(kc[:rows], kc[:rows], kk_plain, gamma, decays, gated, 1, kk)
     delta_matrix(kk, b_c, rows, m)
     scale_rows(kc[:rows], b_c, e_in, x[:rows])
     load_rows(v, slot, t0, rows, hv, b_c, np.float32(1.0), False, u, no_factor)
@@ -396,13 +424,13 @@ def aligned_float32(rows, cols):
 @njit(fastmath=FASTMATH)
 def new_scratch(head_dim, gate_dims):
     """chunk_rows' and chunk_gating's scratch arrays, one set per item: gamma, e_in, e_out,
-    qs, kc, q_inv, k_inv, a, qg, kd, qk, kk_plain."""
+    qs, kc, q_inv, k_inv, a, qg, kd, qk, kk_plain, decays."""
     c, f, rows_of = CHUNK, np.float32, aligned_float32
     return (
         np.zeros((c, gate_dims), np.float64), np.ones((c, gate_dims), f),
         np.ones((c, gate_dims), f), rows_of(c, head_dim), rows_of(c, head_dim), np.ones(c, f),
         np.ones(c, f), rows_of(c, c), rows_of(c, head_dim), rows_of(c, head_dim),
-        rows_of(c, c), rows_of(c, c),
+        rows_of(c, c), rows_of(c, c), rows_of(c, c),
     )  # fmt: skip
 
 
@@ -473,7 +501,7 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
             else:
                 states[hv - first_head, :, :value_dim] = 0.0
         scratch = new_scratch(head_dim, g.shape[3])
-        _, e_in, _, _, _, _, _, a, qg, kd, _, _ = scratch
+        _, e_in, _, _, _, _, _, a, qg, kd, _, _, _ = scratch
         kk, m, x, u = new_update(head_dim, value_dim)
         starts, kks, us = kept
         for c, t0 in enumerate(range(start, start + length, CHUNK)):
@@ -570,7 +598,7 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
     first_head = hk * group
     slot, start, length = sequences[n, 0], sequences[n, 1], sequences[n, 2]
     chunks = (length + CHUNK - 1) // CHUNK
-    gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, qg, kd, _, _ = scratch
+    gamma, e_in, e_out, qs, kc, q_inv, k_inv, a, qg, kd, _, _, _ = scratch
     recompute = kept[0].shape[1] == 0  # the forward kept nothing: into own_kept, here
     kept_head = first_head  # the group's first head in kept's arrays
     if recompute:
