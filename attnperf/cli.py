@@ -348,13 +348,17 @@ def bench_linear(args: argparse.Namespace) -> int:
             vs = ""
             if r["call"] == "gated delta" and fallback:
                 vs = f"{fallback / r['median_s']:.2f}x transformers"
+            of_peak = f"{r['of_peak']:.0%}" if r["of_peak"] is not None else "-"
             table.append((str(r["length"]), r["call"], f"{r['median_s'] * 1e3:.1f}",
-                          f"{r['gflops']:.0f}", f"{r['of_sgemm']:.0%}", vs))  # fmt: skip
+                          f"{r['gflops']:.0f}", of_peak, f"{r['of_sgemm']:.0%}", vs))  # fmt: skip
         cross = linear.crossover(prefill["rows"], pass_)
-        show(f"linear attention, {pass_}, B=1; {where}; sgemm (same run) "
-             f"{prefill['sgemm_gflops']:.0f} GFLOP/s; gated delta faster than numba's causal "
-             f"softmax attention from T = {cross} on",
-             ["T", "call", "median ms", "GFLOP/s", "of sgemm", "speed"], table)  # fmt: skip
+        peak = prefill["peak_gflops"]
+        show(f"linear attention, {pass_}, B=1; {where}; fp32 FMA peak "
+             f"{f'{peak:.0f}' if peak else '-'} GFLOP/s, sgemm {prefill['sgemm_gflops']:.0f} "
+             f"GFLOP/s (same run); gated delta faster than numba's causal softmax attention "
+             f"from T = {cross} on",
+             ["T", "call", "median ms", "GFLOP/s", "of peak", "of sgemm", "speed"],
+             table)  # fmt: skip
     show("growth in T: time ~ T^k (numba)", ["pass", "rule", "k, all T", "k, last two T"],
          [(f["pass"], f["rule"], f"{f['k_all']:.2f}" if f["k_all"] is not None else "-",
            f"{f['k_last_two']:.2f} ({f['last_two']})" if f["k_last_two"] is not None else "-")

@@ -216,6 +216,26 @@ def test_linear_bench_crossover_and_flops():
     assert linear.linear_flops(64, "forward+backward") == 3.5 * linear.linear_flops(64, "forward")
 
 
+def test_linear_bench_rows_give_shares_of_the_peak_and_of_sgemm(monkeypatch):
+    """prefill_sweep's rows: each call's rate as a share of the fp32 FMA peak and of sgemm,
+    both of the same run (the race and the rates stubbed)."""
+
+    def race(config, calls):
+        return {label: serving.Contender(label, median_s=0.5) for label in calls}
+
+    monkeypatch.setattr(serving, "race", race)
+    monkeypatch.setattr(serving, "peak_rate", lambda dtype, threads: 4e11)
+    monkeypatch.setattr(serving, "sgemm_rate", lambda config: 2e11)
+    monkeypatch.setattr(linear, "memory_sweep", lambda config: [])
+    sweep = linear.prefill_sweep(linear.LinearConfig(lengths=(64,)), lambda message: None)
+    assert sweep["peak_gflops"] == 400
+    for row in sweep["rows"]:
+        assert row["gflops"] == pytest.approx(row["of_peak"] * 400)
+        assert row["of_sgemm"] == pytest.approx(2 * row["of_peak"])
+    delta = next(r for r in sweep["rows"] if r["call"] == "gated delta")
+    assert delta["of_peak"] == pytest.approx(linear.linear_flops(64, "forward") / 0.5 / 4e11)
+
+
 # ---------------------------------------------------------------------- --decode, --varlen
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_decode_bench_peers_compute_numbas_step(tokens):

@@ -193,7 +193,8 @@ def softmax_flops(steps: int, pass_: str) -> float:
 
 def prefill_sweep(config: LinearConfig, on_progress: Callable[[str], None]) -> dict:
     """Every rule on numba per T and pass, with the peers where they finish in reasonable
-    time; the sgemm rate of the same run; growth fits in T."""
+    time; the fp32 FMA peak and sgemm rate of the same run; growth fits in T."""
+    peak_rate = serving.peak_rate("float32", config.threads)
     sgemm_rate = serving.sgemm_rate(config)
     on_progress(f"sgemm: {sgemm_rate / 1e9:.0f} GFLOP/s")
     fallback = transformers_fallbacks() is not None
@@ -216,10 +217,12 @@ def prefill_sweep(config: LinearConfig, on_progress: Callable[[str], None]) -> d
                 rows.append({
                     "pass": pass_, "length": steps, "call": label, "median_s": result.median_s,
                     "gflops": work / result.median_s / 1e9,
+                    "of_peak": work / result.median_s / peak_rate if peak_rate else None,
                     "of_sgemm": work / result.median_s / sgemm_rate,
                 })  # fmt: skip
             on_progress(f"{pass_} T={steps} done")
-    return {"sgemm_gflops": sgemm_rate / 1e9, "rows": rows, "fits": fits(rows, config),
+    return {"peak_gflops": peak_rate / 1e9 if peak_rate else None,
+            "sgemm_gflops": sgemm_rate / 1e9, "rows": rows, "fits": fits(rows, config),
             "memory": memory_sweep(config)}  # fmt: skip
 
 
