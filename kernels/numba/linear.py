@@ -45,7 +45,15 @@ from attnperf.kernels.numba.tiles import product, tiles_flag
 from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs
 
 # Steps per chunk: the intra-chunk work (C^2 (K + V) per chunk) against the state's (C K V).
+# A forward that keeps nothing for a backward takes chunks of FORWARD_CHUNK steps: fewer
+# FLOPs in the triangles, and its per-chunk costs paid no more often than the state's
+# products amortise them (gated delta forward, T = 4096, in one process: 0.93-0.94x the
+# time of 64-step chunks on AVX-512, on BLAS tiles too, 0.95x on AVX2 code; additive and
+# scalar-gate rules 0.97-0.99x; chunks of 16 steps as fast as 32). A forward that keeps
+# its chunks takes 64: the backward over 32-step chunks took 1.04x the time (twice the
+# start states kept and read).
 CHUNK = 64
+FORWARD_CHUNK = 32
 # The forward keeps each chunk's start state (and the delta rule's WY results) for the
 # backward when they take at most this many bytes per call (T x HV x 1.75 KiB at K = V =
 # 128 with the delta rule: 112 MiB at T = 2048, HV = 32); beyond, the backward recomputes them:
@@ -481,10 +489,11 @@ def new_update(head_dim, value_dim):
 # ---------------------------------------------------------------------------- kernels
 @njit(parallel=True, fastmath=FASTMATH)
 def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
-                           final, kept, firsts, per_item, tiles):  # fmt: skip
-    """out (B, T, HV, V) and final (N, HV, K, V) by chunks; h0 (N, HV, K, V) or empty. With
-    `kept` (kept_shapes' arrays over every sequence's chunks, sequence n's from firsts[n]; no
-    chunks: nothing kept), what the backward takes of each chunk. An item is a sequence's
+                           final, kept, firsts, per_item, chunk_steps, tiles):  # fmt: skip
+    """out (B, T, HV, V) and final (N, HV, K, V) by chunks of chunk_steps <= CHUNK steps; h0
+    (N, HV, K, V) or empty. With `kept` (kept_shapes' arrays over every sequence's chunks,
+    sequence n's from firsts[n], chunk_steps = CHUNK; no chunks: nothing kept), what the
+    backward takes of each chunk. An item is a sequence's
     `per_item` value heads of one key head (a divisor of the group), chunk by chunk: they
     share each chunk's rows of q and k and their plain products (chunk_rows)."""
     heads, value_dim = v.shape[2], v.shape[3]
@@ -504,8 +513,8 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
         _, e_in, _, _, _, _, _, a, qg, kd, _, _, _ = scratch
         kk, m, x, u = new_update(head_dim, value_dim)
         starts, kks, us = kept
-        for c, t0 in enumerate(range(start, start + length, CHUNK)):
-            rows = min(CHUNK, start + length - t0)
+        for c, t0 in enumerate(range(start, start + length, chunk_steps)):
+            rows = min(chunk_steps, start + length - t0)
             chunk = firsts[n] + c
             chunk_rows(q, k, scale, l2norm, slot, first_head // group, t0, rows, gated, True,
                        delta, scratch, tiles)  # fmt: skip
@@ -881,7 +890,9 @@ def numba_linear_forward(
     kept, kept_arrays = _kept(inputs, chunks if keep else 0)
     if runs:
         per_item = value_heads_per_item(inputs, torch.get_num_threads())
-        run_parallel(linear_forward_chunked, *args, kept_arrays, firsts, per_item, tiles_flag())
+        steps = CHUNK if keep else FORWARD_CHUNK
+        run_parallel(linear_forward_chunked, *args, kept_arrays, firsts, per_item, steps,
+                     tiles_flag())  # fmt: skip
     return out.to(inputs.dtype), final, kept if keep else ()
 
 
