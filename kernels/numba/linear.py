@@ -142,27 +142,25 @@ def plain_pair_products(x, y, gamma, gated, out, tiles):
 
 
 @njit(fastmath=FASTMATH)
-def pair_decays(gamma, rows, decays):
-    """decays[i, j] <- exp(Gamma_i - Gamma_j) for j <= i < rows, 0 above (one gate column):
-    what a value head's A and k k^T both take. Whole rows in the vector loop (the
-    exponent held at 0 above the diagonal): a triangle's short rows ran mostly in its
+def pair_decays(gamma, rows, out):
+    """out[i, j] <- exp(Gamma_i - Gamma_j) for j <= i < rows, 0 above, for a gate a step
+    (gamma (C, 1)): what a value head's A and k k^T both take. Whole rows in the vector loop
+    (the exponent held at 0 above the diagonal): a triangle's short rows ran mostly in its
     scalar remainder."""
     wide_vectors()
-    scaled = np.empty(rows, np.float64)  # contiguous, unlike gamma's column
-    for i in range(rows):
-        scaled[i] = gamma[i, 0] * LOG2E
+    column = gamma.ravel()  # contiguous where gamma[:, 0] is strided to numba
     for i in range(rows):
         for j in range(rows):
-            d = exp2(np.float32(min(scaled[i] - scaled[j], 0.0)))
-            decays[i, j] = d if j <= i else np.float32(0.0)
+            d = exp2(np.float32(min((column[i] - column[j]) * LOG2E, 0.0)))
+            out[i, j] = d if j <= i else np.float32(0.0)
 
 
 @njit(fastmath=FASTMATH)
-def pair_scores(x, y, plain, gamma, decays, gated, strict, out):
+def pair_scores(x, y, plain, gamma, pair_decay, gated, strict, out):
     """out[i, j] = sum_d x_id y_jd exp(gamma_id - gamma_jd) for j <= i (j < i when strict),
     0 above, on rows x rows (rows = x.shape[0]); `plain` holds plain_pair_products(x, y)
-    (value heads that share x and y share it), `decays` pair_decays(gamma) for a gate
-    column."""
+    (value heads that share x and y share it), `pair_decay` pair_decays(gamma) for a gate
+    a step."""
     wide_vectors()
     rows = x.shape[0]
     vector = gated and gamma.shape[1] > 1
@@ -179,7 +177,7 @@ def pair_scores(x, y, plain, gamma, decays, gated, strict, out):
         for i in range(rows):
             last = i - strict
             for j in range(rows):
-                factor = decays[i, j] if gated else np.float32(1.0)
+                factor = pair_decay[i, j] if gated else np.float32(1.0)
                 out[i, j] = plain[i, j] * factor if j <= last else np.float32(0.0)
 
 
@@ -372,17 +370,17 @@ def chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, scores, delta, sc
 @njit(fastmath=FASTMATH)
 def chunk_gating(g, slot, hv, t0, rows, gated, scores, scratch):
     """Value head hv's share of a chunk, after chunk_rows, into `scratch`: gamma, e_in,
-    e_out (chunk_gates; 0, 1, 1 when ungated), decays (pair_decays, for a gate a step), kd
+    e_out (chunk_gates; 0, 1, 1 when ungated), pair_decay (pair_decays, for a gate a step), kd
     = k exp(Gamma_last - Gamma); with `scores` also a = A and qg = q^ exp(Gamma)."""
-    gamma, e_in, e_out, qs, kc, _, _, a, qg, kd, qk, _, decays = scratch
+    gamma, e_in, e_out, qs, kc, _, _, a, qg, kd, qk, _, pair_decay = scratch
     if gated:
         chunk_gates(g, slot, t0, rows, hv, gamma, e_in, e_out)
         if gamma.shape[1] == 1:
-            pair_decays(gamma, rows, decays)
+            pair_decays(gamma, rows, pair_decay)
     no_factor = e_in[:0, 0]
     scale_rows(kc[:rows], no_factor, e_out, kd[:rows])
     if scores:
-        pair_scores(qs[:rows], kc[:rows], qk, gamma, decays, gated, 0, a)
+        pair_scores(qs[:rows], kc[:rows], qk, gamma, pair_decay, gated, 0, a)
         scale_rows(qs[:rows], no_factor, e_in, qg[:rows])
 
 
@@ -391,13 +389,14 @@ def chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, 
     """U, what the chunk writes into the state, from the state S0 before it: v (the additive
     rule), or the WY form U = (I + M)^-1 Z (delta rule), with kk (M without beta), m = M,
     x = beta k exp(Gamma) and Z = beta v - x S0; all (C, ...), [:rows] meaningful."""
-    gamma, e_in, kc, kk_plain, decays = scratch[0], scratch[1], scratch[4], scratch[11], scratch[12]
+    gamma, e_in, kc, kk_plain, pair_decay = (scratch[0], scratch[1], scratch[4], scratch[11],
+                                             scratch[12])  # fmt: skip
     no_factor = e_in[:0, 0]
     if not delta:
         load_rows(v, slot, t0, rows, hv, no_factor, np.float32(1.0), False, u, no_factor)
         return
     b_c = beta[slot, t0 : t0 + rows, hv]
-    pair_scores(kc[:rows], kc[:rows], kk_plain, gamma, decays, gated, 1, kk)
+    pair_scores(kc[:rows], kc[:rows], kk_plain, gamma, pair_decay, gated, 1, kk)
     delta_matrix(kk, b_c, rows, m)
     scale_rows(kc[:rows], b_c, e_in, x[:rows])
     load_rows(v, slot, t0, rows, hv, b_c, np.float32(1.0), False, u, no_factor)
@@ -422,23 +421,26 @@ def advance_state(padded, e_in, rows, gated, kd, u, tiles):
 
 
 @njit()
-def aligned_float32(rows, cols):
-    """An uninitialised float32 (rows, cols) array starting on a 64-byte line: the
+def aligned_float32(shape):
+    """An uninitialised float32 array of `shape` (a tuple) starting on a 64-byte line: the
     micro-kernels' vector loads and stores of its rows then never straddle two lines
     (numba's arrays start on 32 bytes)."""
-    return aligned_empty(rows, cols, np.empty(0, np.float32))
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    return aligned_empty(rows, shape[-1], np.empty(0, np.float32)).reshape(shape)
 
 
 @njit(fastmath=FASTMATH)
 def new_scratch(head_dim, gate_dims):
     """chunk_rows' and chunk_gating's scratch arrays, one set per item: gamma, e_in, e_out,
-    qs, kc, q_inv, k_inv, a, qg, kd, qk, kk_plain, decays."""
+    qs, kc, q_inv, k_inv, a, qg, kd, qk, kk_plain, pair_decay."""
     c, f, rows_of = CHUNK, np.float32, aligned_float32
     return (
         np.zeros((c, gate_dims), np.float64), np.ones((c, gate_dims), f),
-        np.ones((c, gate_dims), f), rows_of(c, head_dim), rows_of(c, head_dim), np.ones(c, f),
-        np.ones(c, f), rows_of(c, c), rows_of(c, head_dim), rows_of(c, head_dim),
-        rows_of(c, c), rows_of(c, c), rows_of(c, c),
+        np.ones((c, gate_dims), f), rows_of((c, head_dim)), rows_of((c, head_dim)),
+        np.ones(c, f), np.ones(c, f), rows_of((c, c)), rows_of((c, head_dim)),
+        rows_of((c, head_dim)), rows_of((c, c)), rows_of((c, c)), rows_of((c, c)),
     )  # fmt: skip
 
 
@@ -457,11 +459,7 @@ def kept_shapes(heads, chunks, head_dim, value_dim, delta):
 def new_kept(heads, chunks, head_dim, value_dim, delta):
     """kept_shapes' arrays (for a thread that recomputes them)."""
     s0, s1, s2 = kept_shapes(heads, chunks, head_dim, value_dim, delta)
-    return (
-        aligned_float32(s0[0] * s0[1] * s0[2], s0[3]).reshape(s0),
-        aligned_float32(s1[0] * s1[1] * s1[2], s1[3]).reshape(s1),
-        aligned_float32(s2[0] * s2[1] * s2[2], s2[3]).reshape(s2),
-    )
+    return aligned_float32(s0), aligned_float32(s1), aligned_float32(s2)
 
 
 @njit(fastmath=FASTMATH)
@@ -471,19 +469,14 @@ def new_states(count, head_dim, value_dim):
     products read of a state into half of L1's sets, where they no longer fit (q S0 alone
     at 73% of the FMA peak, 82% padded)."""
     width = value_dim + STATE_PAD
-    return aligned_float32(count * head_dim, width).reshape((count, head_dim, width))
+    return aligned_float32((count, head_dim, width))
 
 
 @njit(fastmath=FASTMATH)
 def new_update(head_dim, value_dim):
     """chunk_update's arrays for one chunk: kk, m (C, C), x (C, K), u (C, V)."""
-    c = CHUNK
-    return (
-        aligned_float32(c, c),
-        aligned_float32(c, c),
-        aligned_float32(c, head_dim),
-        aligned_float32(c, value_dim),
-    )
+    c, rows_of = CHUNK, aligned_float32
+    return rows_of((c, c)), rows_of((c, c)), rows_of((c, head_dim)), rows_of((c, value_dim))
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -493,9 +486,9 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
     """out (B, T, HV, V) and final (N, HV, K, V) by chunks of chunk_steps <= CHUNK steps; h0
     (N, HV, K, V) or empty. With `kept` (kept_shapes' arrays over every sequence's chunks,
     sequence n's from firsts[n], chunk_steps = CHUNK; no chunks: nothing kept), what the
-    backward takes of each chunk. An item is a sequence's
-    `per_item` value heads of one key head (a divisor of the group), chunk by chunk: they
-    share each chunk's rows of q and k and their plain products (chunk_rows)."""
+    backward takes of each chunk. An item is a sequence's `per_item` value heads of one key
+    head (a divisor of the group), chunk by chunk: they share each chunk's rows of q and k
+    and their plain products (chunk_rows)."""
     heads, value_dim = v.shape[2], v.shape[3]
     group = heads // k.shape[2]
     head_dim = k.shape[3]
@@ -575,11 +568,11 @@ def backward_buffers(group, chunks, head_dim, value_dim, gate_dims, delta):
     group's dS)."""
     c, f, rows_of = CHUNK, np.float32, aligned_float32
     work = (
-        new_states(group, head_dim, value_dim), rows_of(c, value_dim), rows_of(c, c),
-        rows_of(c, head_dim), rows_of(c, head_dim), rows_of(c, head_dim), rows_of(c, head_dim),
-        np.empty((c, gate_dims), f), np.empty((c, gate_dims), f), np.empty((c, gate_dims), f),
-        rows_of(c, head_dim), rows_of(c, value_dim), rows_of(c, c), np.empty(head_dim, f),
-        np.empty(head_dim, f),
+        new_states(group, head_dim, value_dim), rows_of((c, value_dim)), rows_of((c, c)),
+        rows_of((c, head_dim)), rows_of((c, head_dim)), rows_of((c, head_dim)),
+        rows_of((c, head_dim)), np.empty((c, gate_dims), f), np.empty((c, gate_dims), f),
+        np.empty((c, gate_dims), f), rows_of((c, head_dim)), rows_of((c, value_dim)),
+        rows_of((c, c)), np.empty(head_dim, f), np.empty(head_dim, f),
     )  # fmt: skip
     return (
         new_kept(group, chunks, head_dim, value_dim, delta),
