@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import torch
+from cases import device_for
 
 import attnperf
 from attnperf import dispatch
@@ -16,15 +17,17 @@ FUSED = [b.name for b in AVAILABLE if isinstance(b, FusedBackend)]
 EVERY = [b.name for b in AVAILABLE]
 
 
-def leaves(*shapes, seed=0):
+def leaves(*shapes, backend: str, seed=0):
+    """Leaves of `shapes` on the device where the tests run `backend`."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=gen).requires_grad_() for shape in shapes]
+    device = device_for(dispatch.registry()[backend])
+    return [torch.randn(*shape, generator=gen).to(device).requires_grad_() for shape in shapes]
 
 
 @pytest.mark.parametrize("backend", EVERY)
 @pytest.mark.parametrize("edited", ["query", "key", "value"])
 def test_in_place_edit_after_forward_raises_in_backward(backend, edited):
-    q, k, v = leaves((1, 2, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8))
+    q, k, v = leaves((1, 2, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8), backend=backend)
     out = attnperf.attention(q, k, v, backend=backend)
     with torch.no_grad():
         {"query": q, "key": k, "value": v}[edited].mul_(2)
@@ -34,7 +37,7 @@ def test_in_place_edit_after_forward_raises_in_backward(backend, edited):
 
 @pytest.mark.parametrize("backend", FUSED)
 def test_double_backward_raises_a_clear_error_and_first_derivatives_stay_right(backend):
-    q, k, v = leaves((1, 2, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8))
+    q, k, v = leaves((1, 2, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8), backend=backend)
     out = attnperf.attention(q, k, v, backend=backend)
     (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
     expected = attnperf.attention(q, k, v, backend="reference")
@@ -47,7 +50,8 @@ def test_double_backward_raises_a_clear_error_and_first_derivatives_stay_right(b
 @pytest.mark.parametrize("backend", EVERY)
 @pytest.mark.parametrize("in_dims", [(0, 0, 0), (1, None, None)], ids=["all", "query-only"])
 def test_vmap_matches_a_loop(backend, in_dims):
-    q, k, v = (t.detach() for t in leaves((3, 2, 4, 9, 8), (2, 4, 11, 8), (2, 4, 11, 8)))
+    shapes = (3, 2, 4, 9, 8), (2, 4, 11, 8), (2, 4, 11, 8)
+    q, k, v = (t.detach() for t in leaves(*shapes, backend=backend))
     if in_dims == (0, 0, 0):
         k, v = k.expand(3, *k.shape).clone(), v.expand(3, *v.shape).clone()
     else:
@@ -67,7 +71,7 @@ def test_vmap_matches_a_loop(backend, in_dims):
 @pytest.mark.parametrize("backend", EVERY)
 @pytest.mark.parametrize("shape", [(0, 2, 8, 16), (2, 0, 8, 16)], ids=["batch_0", "heads_0"])
 def test_zero_size_batch_or_heads_give_empty_outputs_and_gradients(backend, shape):
-    q, k, v = leaves(shape, shape, shape)
+    q, k, v = leaves(shape, shape, shape, backend=backend)
     out = attnperf.attention(q, k, v, backend=backend)
     assert out.shape == shape
     out.sum().backward()

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cases import device_for
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import attnperf
@@ -11,13 +12,13 @@ from attnperf import dispatch
 from attnperf.inputs import prepare
 
 
-def qkv(q_shape=(2, 4, 8, 16), k_shape=None, v_shape=None, dtype=torch.float32):
+def qkv(q_shape=(2, 4, 8, 16), k_shape=None, v_shape=None, dtype=torch.float32, device="cpu"):
     k_shape = k_shape or q_shape
     v_shape = v_shape or k_shape
     return (
-        torch.randn(q_shape, dtype=dtype),
-        torch.randn(k_shape, dtype=dtype),
-        torch.randn(v_shape, dtype=dtype),
+        torch.randn(q_shape, dtype=dtype, device=device),
+        torch.randn(k_shape, dtype=dtype, device=device),
+        torch.randn(v_shape, dtype=dtype, device=device),
     )
 
 
@@ -216,12 +217,13 @@ def test_dropout_one_gives_zeros_as_sdpa(backend):
 @pytest.mark.parametrize("lengths", [(8, 8), (5, 9), (9, 5)], ids=["square", "L<S", "L>S"])
 @pytest.mark.parametrize("bias", [causal_upper_left, causal_lower_right], ids=lambda f: f.__name__)
 def test_torch_causal_bias_objects_mean_what_they_mean_in_sdpa(backend, lengths, bias):
-    q, k, v = qkv((2, 4, lengths[0], 16), (2, 4, lengths[1], 16))
+    device = "cpu" if backend == "auto" else device_for(dispatch.registry()[backend])
+    q, k, v = qkv((2, 4, lengths[0], 16), (2, 4, lengths[1], 16), device=device)
     inputs = prepare(q, k, v, attn_mask=bias(*lengths))
     assert inputs.attn_mask is None and inputs.is_causal, "served in-kernel, not as a mask"
     out = attnperf.attention(q, k, v, attn_mask=bias(*lengths), backend=backend)
     # SDPA's own reading of them, from the band they stand for (rows that see no key: 0).
     offset = 0 if bias is causal_upper_left else lengths[1] - lengths[0]
-    band = torch.ones(lengths, dtype=torch.bool).tril(offset)
+    band = torch.ones(lengths, dtype=torch.bool, device=device).tril(offset)
     expected = attnperf.attention(q, k, v, attn_mask=band, backend="reference")
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

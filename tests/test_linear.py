@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from cases import device_for
 
 import attnperf
 from attnperf import dispatch
@@ -85,8 +86,8 @@ CASES = {
 }  # fmt: skip
 
 
-def make(case: Case, seed: int = 0) -> dict:
-    """The call's tensors (leaves) and keywords."""
+def make(case: Case, seed: int = 0, device: str = "cpu") -> dict:
+    """The call's tensors (leaves) and keywords, on `device`."""
     gen = torch.Generator().manual_seed(seed)
     b, t, h, hv, k, v = (case.batch, case.steps, case.heads, case.value_heads, case.head_dim,
                          case.value_dim)  # fmt: skip
@@ -109,8 +110,12 @@ def make(case: Case, seed: int = 0) -> dict:
         call["initial_state"] = randn(count, hv, k, v)
     keywords = {"output_final_state": case.final_state, "use_qk_l2norm": case.l2norm}
     if case.cu_seqlens is not None:
-        keywords["cu_seqlens"] = torch.tensor(case.cu_seqlens, dtype=torch.int32)
-    return {"tensors": call, "keywords": keywords}
+        keywords["cu_seqlens"] = torch.tensor(case.cu_seqlens, dtype=torch.int32, device=device)
+    return {"tensors": {name: t.to(device) for name, t in call.items()}, "keywords": keywords}
+
+
+def device_of(backend: str) -> str:
+    return device_for(dispatch.registry()[backend])
 
 
 def run(fn, call: dict, grads: tuple[torch.Tensor, torch.Tensor] | None, cast=None) -> tuple:
@@ -134,14 +139,15 @@ def run(fn, call: dict, grads: tuple[torch.Tensor, torch.Tensor] | None, cast=No
 
 
 def check(backend: str, case: Case, backward: bool) -> None:
-    call = make(case)
+    device = device_of(backend)
+    call = make(case, device=device)
     grads = None
     if backward:
         b, t, hv, v = case.batch, case.steps, case.value_heads, case.value_dim
         count = b if case.cu_seqlens is None else len(case.cu_seqlens) - 1
         gen = torch.Generator().manual_seed(1)
-        grads = (torch.randn(b, t, hv, v, generator=gen),
-                 torch.randn(count, hv, case.head_dim, v, generator=gen))  # fmt: skip
+        grads = (torch.randn(b, t, hv, v, generator=gen).to(device),
+                 torch.randn(count, hv, case.head_dim, v, generator=gen).to(device))  # fmt: skip
 
     def kernel(*args, **kwargs):
         return attnperf.linear_attention(*args, **kwargs, backend=backend)
@@ -198,7 +204,8 @@ def set_launcher_constant(backend: str, monkeypatch, name: str, value: int) -> N
 
 @pytest.mark.parametrize("backend", FUSED)
 def test_forward_keeps_its_chunks_for_the_backward_within_its_budget(backend, monkeypatch):
-    call = make(Case(steps=20, gate="scalar", delta=True, initial_state=True))
+    call = make(Case(steps=20, gate="scalar", delta=True, initial_state=True),
+                device=device_of(backend))  # fmt: skip
     inputs = attnperf.linear_inputs.prepare_linear(**call["tensors"], **call["keywords"])
     launch = dispatch.registry()[backend].linear_forward
     assert launch(inputs, False)[2] == ()
@@ -270,7 +277,8 @@ def test_numba_chunk_buffers_start_on_cache_lines():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_in_pieces_then_steps_equals_one_call(backend):
-    call = make(Case(steps=90, gate="scalar", delta=True, l2norm=True, initial_state=True))
+    case = Case(steps=90, gate="scalar", delta=True, l2norm=True, initial_state=True)
+    call = make(case, device=device_of(backend))
     tensors, keywords = call["tensors"], call["keywords"]
     whole, whole_state = attnperf.linear_attention(**tensors, **keywords, backend=backend)
     state, outs, t = tensors["initial_state"], [], 0
@@ -292,7 +300,8 @@ def test_prefill_in_pieces_then_steps_equals_one_call(backend):
     ids=lambda b: b.name,
 )  # fmt: skip
 def test_backend_serves_linear_attention_or_refuses_it_with_a_reason(backend, feature):
-    call = make(Case(steps=3, gate="scalar", delta=True, initial_state=True))
+    call = make(Case(steps=3, gate="scalar", delta=True, initial_state=True),
+                device=device_for(backend))  # fmt: skip
     tensors = call["tensors"]
     if feature == "linear_backward":
         tensors = {name: t.requires_grad_() for name, t in tensors.items()}

@@ -3,6 +3,7 @@ over their union, forward and gradients, with -inf parts."""
 
 import pytest
 import torch
+from cases import device_for
 
 import attnperf
 from attnperf import dispatch
@@ -27,7 +28,9 @@ def test_chunks_merged_equal_attention_over_all_keys(backend, split):
     mask[3] = False  # a row that sees no key in any chunk: out 0, lse -inf
     mask[5, :10] = False  # a row that sees none of the first chunk: that part's lse is -inf
     dtype = torch.float64 if backend == "reference" else torch.float32
-    q_, k_, v_ = (t.to(dtype) for t in (q, k, v))
+    device = device_for(dispatch.registry()[backend])
+    q_, k_, v_ = (t.to(device, dtype) for t in (q, k, v))
+    mask = mask.to(device)
 
     def run(keys, values, m):
         return attnperf.attention(q_, keys, values, attn_mask=m, enable_gqa=True,
@@ -45,7 +48,7 @@ def test_chunks_merged_equal_attention_over_all_keys(backend, split):
     torch.testing.assert_close(lse, whole_lse.to(lse.dtype), **tolerance)
     assert lse[:, :, 3].eq(float("-inf")).all() and out[:, :, 3].eq(0).all()
 
-    weights = torch.randn(out.shape, generator=gen, dtype=dtype)
+    weights = torch.randn(out.shape, generator=gen, dtype=dtype).to(device)
     merged = torch.autograd.grad((out * weights).sum(), (q, k, v))
     whole = torch.autograd.grad((whole_out * weights).sum(), (q, k, v))
     for name, a, b in zip("qkv", merged, whole, strict=True):
@@ -117,7 +120,8 @@ def test_fused_launchers_take_stats_rebuilt_from_the_lse(backend):
     stats rebuilt from natural-log LSEs (`stats_from_lse`) gives the gradients of the
     kernel's own stats; rows that see no key stay empty both ways."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (40, 33, 33))
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen).to(device_for(backend))
+               for n in (40, 33, 33))  # fmt: skip
     inputs = prepare(q, k, v, is_causal=True, align="bottom_right", window=(9, 0))
     inputs_empty_rows = prepare(q[:, :, :20], k[:, :, :5], v[:, :, :5], is_causal=True,
                                 align="bottom_right")  # fmt: skip
@@ -126,7 +130,7 @@ def test_fused_launchers_take_stats_rebuilt_from_the_lse(backend):
         lse = lse_from_stats(stats)
         rebuilt = stats_from_lse(lse)
         torch.testing.assert_close(lse_from_stats(rebuilt), lse)
-        grad_out = torch.randn(out.shape, generator=gen)
+        grad_out = torch.randn(out.shape, generator=gen).to(out.device)
         own = backend.backward(call, out, stats, grad_out, None)
         from_lse = backend.backward(call, out, rebuilt, grad_out, None)
         for name, a, b in zip(("dq", "dk", "dv"), own[:3], from_lse[:3], strict=True):

@@ -119,9 +119,9 @@ def test_reference_computes_half_precision_in_float32_as_sdpa():
 @pytest.mark.parametrize("backend", [*(b.name for b in AVAILABLE), "auto"])
 def test_autocast_casts_as_sdpa_does(backend):
     """Under autocast SDPA casts q, k, v (mixed dtypes too) to the autocast dtype."""
-    device = "cpu"
+    device = "cpu" if backend == "auto" else device_for(dispatch.registry()[backend])
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen).to(device) for _ in range(3))
     with torch.autocast(device, dtype=torch.bfloat16):
         out = attnperf.attention(q.bfloat16(), k, v, backend=backend)
         expected = torch.nn.functional.scaled_dot_product_attention(q.bfloat16(), k, v)
