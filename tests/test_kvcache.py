@@ -132,8 +132,7 @@ def kvcache_params(dtypes):
 @pytest.mark.parametrize("backend, preset, dtype", kvcache_params((torch.float32, torch.bfloat16)))
 def test_kvcache_equals_attention_over_the_cached_keys(backend, preset, dtype):
     """Contiguous, head-major and paged caches, each agreeing with the reference; paged and
-    contiguous ones (the same walk) with each other too. numba runs head-major pages on
-    other kernels (`decode_kind`): the rule above holds them."""
+    contiguous ones (the same walk) with each other too."""
     call = cache_call(dtype, device_for(backend), **PRESETS[preset])
     exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
     results = {"contiguous": run(backend, call), "paged": run(backend, paged(call)),
@@ -332,7 +331,7 @@ def test_numba_decode_every_step_kind_keeps_the_2x_rule(dtype, kind, head_dims, 
     """Each way a step runs, forced whatever this CPU would choose: the micro-kernels (fp32,
     or bf16 dot products where the CPU has them and two FMAs where not) and the per-key
     loops, at head dims off the vector width, both cache layouts, GQA rows of 3."""
-    monkeypatch.setattr(numba_kvcache, "decode_kind", lambda inputs, head_major: kind)
+    monkeypatch.setattr(numba_kvcache, "decode_kind", lambda inputs: kind)
     numba = dispatch.registry()["numba"]
     for head_dim in head_dims:
         call = cache_call(dtype, q_len=3, new=3, cached=(0, 6, 37, 90), seed=head_dim, heads=6,
@@ -372,7 +371,7 @@ def test_numba_decode_on_amx_keeps_the_2x_rule_in_every_preset_and_layout(preset
         variant = dict(PRESETS[preset], q_len=q_len)
         variant["new"] = min(variant["new"], q_len)
         call = cache_call(torch.bfloat16, head_dim=32, **variant)
-        assert numba_kvcache.decode_kind(prepare_kvcache(**call), False) == numba_kvcache.AMX
+        assert numba_kvcache.decode_kind(prepare_kvcache(**call)) == numba_kvcache.AMX
         exact = expected(float64_reference, call)
         baseline = expected(same_precision_reference, call)
         for layout in (call, paged(call), head_major(call)):
@@ -387,7 +386,7 @@ def test_decode_kind_reads_bf16_pairs_only_at_even_head_dims():
     it runs on the loops."""
     even = prepare_kvcache(**cache_call(torch.bfloat16, new=0))
     odd = dataclasses.replace(even, query=even.query[..., :15])
-    assert numba_kvcache.decode_kind(odd, head_major=False) == numba_kvcache.LOOPS
+    assert numba_kvcache.decode_kind(odd) == numba_kvcache.LOOPS
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -752,20 +752,19 @@ def _pages(inputs: KVCacheInputs) -> tuple[Tensor, Tensor, bool]:
     return k_pages.contiguous(), v_pages.contiguous(), head_major
 
 
-def decode_kind(inputs: KVCacheInputs, head_major: bool) -> int:
+def decode_kind(inputs: KVCacheInputs) -> int:
     """The step's kind: AMX (`amx_tile`) for a bf16 cache whose E and Ev are multiples of
-    32 where bf16 runs on AMX, either page layout (Intel Xeon, one thread, 32/8 heads, E =
-    128, S = 1.5k-16k: one token's step 1.15x, four tokens' 2.3-2.6x faster than on
-    vdpbf16ps; head-major pages 1.5-1.9x and 3.8-4.5x faster than on the loops);
-    micro-kernels (`micro_kernel_tile`) for row-major pages, BF16 for another bf16 cache of
-    even E where the CPU has the bf16 dot product, FP32 for an fp32 (or fp16, converted)
-    cache where our AVX-512 tiles serve; else LOOPS.
+    32 where bf16 runs on AMX (Intel Xeon, one thread, 32/8 heads, E = 128, S = 1.5k-16k:
+    one token's step 1.15x, four tokens' 2.3-2.6x faster than on vdpbf16ps); else the
+    micro-kernels (`micro_kernel_tile`): BF16 for another bf16 cache of even E where the
+    CPU has the bf16 dot product, FP32 for an fp32 (or fp16, converted) cache where our
+    AVX-512 tiles serve; else LOOPS.
 
-    LOOPS serve int8 caches; AVX2, where key_dots' 16 accumulators of two ymm halves each
-    would spill; and head-major pages (transformers' layout), where the loops measured
-    faster: B = 1, S = 16k, 32/8 heads, E = 128, 2 threads, Zen 4: fp32 8.1-8.4 ms against
-    11.3-11.9, bf16 4.8-5.7 against 6.8-7.2 (row-major pages: fp32 8.2-9.2 against
-    9.3-10.4 on the loops).
+    LOOPS serve int8 caches, and AVX2, where key_dots' 16 accumulators of two ymm halves
+    each would spill. Either page layout runs on the tiles: on transformers' head-major
+    pages, since P V takes a head's whole tile at once, the tiles took 0.78-0.81x the
+    loops' time in fp32 and 0.53-0.61x in bf16 (vdpbf16ps), S = 256 to 16k, 8/2 and 32/8
+    heads, E = 128 (Intel Xeon, 2 threads, `numba` steps in one process).
     """
     if inputs.quantized:
         return LOOPS
@@ -774,8 +773,6 @@ def decode_kind(inputs: KVCacheInputs, head_major: bool) -> int:
     dims = (inputs.head_dim, inputs.value_dim)
     if bf16 and route == "amx" and all(d % (2 * TILE_PAIRS) == 0 for d in dims):
         return AMX
-    if head_major:
-        return LOOPS
     if bf16:
         even = inputs.head_dim % 2 == 0  # a pair past an odd row's end would be read
         return BF16 if even and route in ("amx", "avx512-bf16") else LOOPS  # AMX: vdpbf16ps too
@@ -821,7 +818,7 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of a KV-cache call:
     split-K over (batch, split) items, merged exactly."""
     k_pages, v_pages, head_major = _pages(inputs)
-    kind = decode_kind(inputs, head_major)
+    kind = decode_kind(inputs)
     scales = (NO_SCALES, NO_SCALES)
     if inputs.quantized:  # read in place: codes and scales, C-contiguous
         scales = tuple(as_numpy(t.contiguous()) for t in (inputs.k_scale, inputs.v_scale))
@@ -844,13 +841,13 @@ class KVCacheStep:
     """numba's launcher for the next steps of a KV-cache call (`Backend.kvcache_step`): a
     contiguous fp32 or bf16 cache, one int length for every sequence, no new keys, left
     padding, ALiBi, sinks or int8 scales. What numba_kvcache_forward works out from the
-    call's metadata (the step's kind for either cache layout, the variant, the shapes) is
+    call's metadata (the step's kind, the variant, the shapes) is
     worked out once; a step binds its own tensors and length. In transformers' generate
     (bf16, 8/2 heads, S = 2048, Intel Xeon) a whole call's checks and conversions cost
     ~2.5x the kernel's time inside the model's step."""
 
     def __init__(self, inputs: KVCacheInputs):
-        self.kinds = (decode_kind(inputs, False), decode_kind(inputs, True))
+        self.kind = decode_kind(inputs)
         self.variant = lower_variant(inputs)
         self.table = as_numpy(inputs.block_table.cpu())
         self.batch, self.q_len, self.kv_heads = inputs.batch, inputs.q_len, inputs.kv_heads
@@ -867,7 +864,7 @@ class KVCacheStep:
         the pages and its output are read and written where they lie (`memory_as`; inside a
         model's generate each view cost ~2.5 us, a tenth of the step's Python)."""
         head_major = _is_head_major(k_cache) and _is_head_major(v_cache)
-        kind = self.kinds[head_major]
+        kind = self.kind
         k_pages, v_pages = (t if head_major else t.contiguous() for t in (k_cache, v_cache))
         one_token = self.q_len == 1 and q.is_contiguous() and q.dtype == _ROWS_DTYPE[kind]
         batch, heads, q_len, value_dim = self.out_shape
