@@ -282,6 +282,30 @@ def test_forward_kernels_read_q_k_v_in_place_at_any_strides(monkeypatch):
     assert not launched and len(variant_types) == 1
 
 
+@pytest.mark.parametrize("first", ["side by side", "a head apart"])
+def test_fp32_forward_copies_rows_a_head_apart_where_its_workspace_has_room(first):
+    """K and V rows a head apart ((B, L, H, E) transposed) are copied side by side per kv
+    head where the plan's workspace has room for it (a plan made on such a call) and read
+    where they lie where not (a plan made on rows side by side, the same shapes): both
+    agree with the reference, GQA and ragged key tiles (S = 600) included."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = ((2, 4, 130, 40), (2, 2, 600, 40), (2, 2, 600, 24))
+    side = [torch.randn(shape, generator=gen) for shape in shapes]
+    apart = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in side]
+    call = {"is_causal": True, "enable_gqa": True}
+    plans.clear()
+    order = (side, apart) if first == "side by side" else (apart, side)
+    for tensors in order:
+        out = attnperf.attention(*tensors, **call, backend="numba")
+        exact = float64_reference(*tensors, **call)
+        assert_agrees(out, exact, same_precision_reference(*tensors, **call))
+    forward = attention.DenseForward(prepare(*order[0], **call))
+    if forward.kernel is attention.fp32_forward:  # AVX-512: the room follows the first call
+        without = attention.fp32_workspace_bytes(600, 40, 24, *forward.blocks, False, False)
+        room = forward.workspace[1][1] - without
+        assert (room >= attention.fp32_head_bytes(600, 40, 24)) == (first == "a head apart")
+
+
 def test_bf16_backward_runs_on_bf16_tiles(monkeypatch):
     """Where the CPU has the bf16 dot product, bf16 gradients come from the bf16 kernels
     (both schedules), not from fp32 tiles on widened copies."""
@@ -420,8 +444,9 @@ def test_row_view_is_the_matrix_row():
 @pytest.mark.parametrize("keys", [1, 33, 100])
 @pytest.mark.parametrize("by_rows", [False, True])
 def test_forward_workspaces_hold_every_tile_of_the_call(keys, by_rows):
-    """A thread's workspace (`amx_workspace_bytes`, `packed_workspace_bytes`) holds its kv
-    head's packs and the buffers of any query tile of the call (rows up to block_m, keys up
+    """A thread's workspace (`amx_workspace_bytes`, `packed_workspace_bytes`,
+    `fp32_workspace_bytes`) holds its kv head's packs (or copies) and the buffers of any
+    query tile of the call (rows up to block_m, keys up
     to the longest sequence's), each carved from a line."""
     f32, u16 = attention.F32, attention.U16
     for rows in (1, 16, 40, 64):
@@ -431,6 +456,14 @@ def test_forward_workspaces_hold_every_tile_of_the_call(keys, by_rows):
             _, tile = attention.amx_tile_buffers(0, -(-rows // 16) * 16, width, 64, 32, by_rows)
             needed = -(-values // 64) * 64 + tile + 64
             assert needed <= attention.amx_workspace_bytes(keys, 64, 32, 64, 64, by_rows)
+            _, tile = attention.fp32_tile_buffers(0, -(-rows // 16) * 16, width, 40, 24,
+                                                  by_rows)  # fmt: skip
+            without = attention.fp32_workspace_bytes(keys, 40, 24, 64, 64, by_rows, False)
+            assert tile + 64 <= without
+            with_room = attention.fp32_workspace_bytes(keys, 40, 24, 64, 64, by_rows, True)
+            head = attention.fp32_head_bytes(keys, 40, 24)
+            assert head >= attention.values_offset(keys, 40) + keys * 24 * 4
+            assert with_room - without >= head  # fp32_forward_items' test for room
             for like in (f32, u16):
                 _, _, kv = attention.packed_kv_buffers(0, keys, 40, 24, like)
                 *_, tile = attention.packed_tile_buffers(0, rows, width, 24, like is u16)
