@@ -880,8 +880,9 @@ def fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, wo
     address = (data_address(workspace) + 63) // 64 * 64
     longest_keys = longest(variant, 4)
     head_bytes = fp32_head_bytes(longest_keys, dim, value_dim)
-    room = workspace.shape[0] - fp32_workspace_bytes(longest_keys, dim, value_dim, block_m,
-                                                     block_n, scores_by_rows(variant), False)
+    room = workspace.shape[0] - fp32_workspace_bytes(
+        longest_keys, dim, value_dim, block_m, block_n, scores_by_rows(variant), False
+    )
     copies = (rows_apart(k) or rows_apart(v)) and room >= head_bytes
     tile_address = address + (head_bytes if copies else 0)
     copied = -1
