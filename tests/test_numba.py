@@ -282,15 +282,18 @@ def test_forward_kernels_read_q_k_v_in_place_at_any_strides(monkeypatch):
     assert not launched and len(variant_types) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("first", ["side by side", "a head apart"])
-def test_fp32_forward_copies_rows_a_head_apart_where_its_workspace_has_room(first):
+def test_forward_copies_rows_a_head_apart_where_its_workspace_has_room(first, dtype):
     """K and V rows a head apart ((B, L, H, E) transposed) are copied side by side per kv
     head where the plan's workspace has room for it (a plan made on such a call) and read
     where they lie where not (a plan made on rows side by side, the same shapes): both
-    agree with the reference, GQA and ragged key tiles (S = 600) included."""
+    agree with the reference, GQA and ragged key tiles (S = 600) included; fp32, and bf16
+    (its keys, on AMX: E and Ev multiples of 32)."""
     gen = torch.Generator().manual_seed(5)
-    shapes = ((2, 4, 130, 40), (2, 2, 600, 40), (2, 2, 600, 24))
-    side = [torch.randn(shape, generator=gen) for shape in shapes]
+    dim, value_dim = (40, 24) if dtype == torch.float32 else (64, 32)
+    shapes = ((2, 4, 130, dim), (2, 2, 600, dim), (2, 2, 600, value_dim))
+    side = [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
     apart = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in side]
     call = {"is_causal": True, "enable_gqa": True}
     plans.clear()
@@ -300,10 +303,17 @@ def test_fp32_forward_copies_rows_a_head_apart_where_its_workspace_has_room(firs
         exact = float64_reference(*tensors, **call)
         assert_agrees(out, exact, same_precision_reference(*tensors, **call))
     forward = attention.DenseForward(prepare(*order[0], **call))
-    if forward.kernel is attention.fp32_forward:  # AVX-512: the room follows the first call
-        without = attention.fp32_workspace_bytes(600, 40, 24, *forward.blocks, False, False)
+    needs = {  # the room each kernel looks for past its other buffers
+        attention.fp32_forward: (attention.fp32_workspace_bytes,
+                                 attention.fp32_head_bytes(600, dim, value_dim)),
+        attention.amx_forward: (attention.amx_workspace_bytes,
+                                attention.rows_bytes(600, dim, 2)),
+    }  # fmt: skip
+    if forward.kernel in needs:  # AVX-512 fp32 and AMX bf16: the room follows the first call
+        workspace_bytes, copy_bytes = needs[forward.kernel]
+        without = workspace_bytes(600, dim, value_dim, *forward.blocks, False, False)
         room = forward.workspace[1][1] - without
-        assert (room >= attention.fp32_head_bytes(600, 40, 24)) == (first == "a head apart")
+        assert (room >= copy_bytes) == (first == "a head apart")
 
 
 def test_bf16_backward_runs_on_bf16_tiles(monkeypatch):
@@ -455,14 +465,17 @@ def test_forward_workspaces_hold_every_tile_of_the_call(keys, by_rows):
             _, _, values = attention.amx_values_buffers(0, keys, 32)
             _, tile = attention.amx_tile_buffers(0, -(-rows // 16) * 16, width, 64, 32, by_rows)
             needed = -(-values // 64) * 64 + tile + 64
-            assert needed <= attention.amx_workspace_bytes(keys, 64, 32, 64, 64, by_rows)
+            plain = attention.amx_workspace_bytes(keys, 64, 32, 64, 64, by_rows, False)
+            assert needed <= plain
+            copying = attention.amx_workspace_bytes(keys, 64, 32, 64, 64, by_rows, True)
+            assert copying - plain >= attention.rows_bytes(keys, 64, 2)  # the kernel's test
             _, tile = attention.fp32_tile_buffers(0, -(-rows // 16) * 16, width, 40, 24,
                                                   by_rows)  # fmt: skip
             without = attention.fp32_workspace_bytes(keys, 40, 24, 64, 64, by_rows, False)
             assert tile + 64 <= without
             with_room = attention.fp32_workspace_bytes(keys, 40, 24, 64, 64, by_rows, True)
             head = attention.fp32_head_bytes(keys, 40, 24)
-            assert head >= attention.values_offset(keys, 40) + keys * 24 * 4
+            assert head >= attention.rows_bytes(keys, 40, 4) + keys * 24 * 4
             assert with_room - without >= head  # fp32_forward_items' test for room
             for like in (f32, u16):
                 _, _, kv = attention.packed_kv_buffers(0, keys, 40, 24, like)

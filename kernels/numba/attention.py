@@ -286,6 +286,34 @@ def rows_view(x, slot, h, row):
 
 
 @njit(fastmath=FASTMATH)
+def rows_apart(x):
+    """Whether x's rows (its last dim) do not lie side by side: a packed (T, H, E) batch's,
+    or (B, L, H, E) transposed, rows a head apart. Such rows fall into a few of L1's sets,
+    and the forward's products re-read a tile's rows from L2 at each row block: the
+    forwards copy them side by side per (sequence, kv head) where they have room."""
+    return x.strides[2] != x.shape[3] * x.itemsize
+
+
+@njit(fastmath=FASTMATH)
+def rows_bytes(rows, width, itemsize):
+    """The bytes of `rows` rows of `width` elements side by side, to a whole line."""
+    return (rows * width * itemsize + 63) // 64 * 64
+
+
+@njit(fastmath=FASTMATH)
+def copy_rows(x, slot, h, row, count, address):
+    """x[slot, h, row : row + count] copied side by side to `address`, as an array of x's
+    type (1, 1, count, E), each row read as the contiguous array it is."""
+    width, unit = x.shape[3], x.itemsize
+    _, at, stride, _ = rows_view(x, slot, h, row)
+    first = data_address(x) + at * unit
+    for i in range(count):
+        source = numba.carray(pointer_at(first + i * stride * unit, x), width)
+        numba.carray(pointer_at(address + i * width * unit, x), width)[:] = source
+    return strided_array(address, (1, 1, count, width), (0, 0, width, 1), x)
+
+
+@njit(fastmath=FASTMATH)
 def panels_view(panels, b, hk, j0):
     """Keys j0.. of head hk of sequence b in `pack_key_panels`' panels (NS, Hk, S16,
     depth, w) as a micro-kernel's B view: X^T of those keys."""
@@ -655,14 +683,16 @@ def amx_tile_buffers(address, tile_rows, width, dim, value_dim, by_rows):
 
 
 @njit(fastmath=FASTMATH)
-def amx_query_tile(q, k, values, variant, scale, out, stats, block_m, block_n, tile, address):
-    """Query tile `tile` (`query_tile`'s, rows > 0) of `amx_forward` against V^T of its kv
-    head (values: Ev x >= S + 32), in buffers carved at `address` (`amx_tile_buffers`)."""
+def amx_query_tile(q, keys, values, variant, scale, out, stats, block_m, block_n, tile,
+                   address):  # fmt: skip
+    """Query tile `tile` (`query_tile`'s, rows > 0) of `amx_forward` against its kv head's
+    keys as (array, slot, head, first row), where they lie or as copied, and its V^T
+    (values: Ev x >= S + 32), in buffers carved at `address` (`amx_tile_buffers`)."""
     wide_vectors()
-    q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], values.shape[0]
+    k, k_slot, hk, k0 = keys
+    value_dim = values.shape[0]
     scale2 = np.float32(scale * LOG2E)
-    b, h, slot, q0, i0, rows, k0, kv_len = tile
-    hk = h // (q_heads // kv_heads)
+    b, h, slot, q0, i0, rows, _, kv_len = tile
     tile_rows, width = whole_tiles(rows), key_tile_width(kv_len, block_n)
     buffers, _ = amx_tile_buffers(address, tile_rows, width, q.shape[3], value_dim,
                                   scores_by_rows(variant))  # fmt: skip
@@ -673,7 +703,7 @@ def amx_query_tile(q, k, values, variant, scale, out, stats, block_m, block_n, t
     p_view = (p_t, 0, 2 * tile_rows, 2 * TILE_PAIRS)
     row_max, row_sum, shift = start_softmax(acc_t, state)
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-        transposed_scores(k, slot, hk, k0 + j0, cols, q_view, s_t, tail)
+        transposed_scores(k, k_slot, hk, k0 + j0, cols, q_view, s_t, tail)
         factor = modify_transposed(s_t, s_rows, variant, scale2, b, h, i0, rows, j0, cols,
                                    structure)  # fmt: skip
         transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, shift, work)
@@ -708,13 +738,14 @@ def amx_values_buffers(address, keys, value_dim):
 
 
 @njit(fastmath=FASTMATH)
-def amx_workspace_bytes(keys, dim, value_dim, block_m, block_n, by_rows):
+def amx_workspace_bytes(keys, dim, value_dim, block_m, block_n, by_rows, copies):
     """The bytes of one thread's workspace for `amx_forward_items` (a line more, to start
-    on one)."""
+    on one), with room for a kv head's keys copied side by side (`copies`)."""
     _, _, values_end = amx_values_buffers(0, keys, value_dim)
     width = key_tile_width(keys, block_n)
     _, tile_end = amx_tile_buffers(0, whole_tiles(block_m), width, dim, value_dim, by_rows)
-    return (values_end + 63) // 64 * 64 + tile_end + 64
+    keys_end = rows_bytes(keys, dim, 2) if copies else 0
+    return (values_end + 63) // 64 * 64 + keys_end + tile_end + 64
 
 
 @njit(fastmath=FASTMATH)
@@ -722,21 +753,35 @@ def amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, wor
                       last):  # fmt: skip
     """Items (sequence, query head, query tile) first .. last - 1 of `amx_forward`, on one
     thread, in its workspace (`amx_workspace_bytes`): V^T of each (sequence, kv head)
-    packed as its items come (consecutive items share it), then each query tile's buffers."""
-    q_heads, kv_heads = q.shape[1], k.shape[1]
+    packed as its items come (consecutive items share it), its keys copied side by side
+    where their rows lie a head apart (`rows_apart`) and the workspace has room, then each
+    query tile's buffers."""
+    q_heads, kv_heads, dim = q.shape[1], k.shape[1], k.shape[3]
     address = (data_address(workspace) + 63) // 64 * 64
-    values, pairs_t, at = amx_values_buffers(address, longest(variant, 4), v.shape[3])
-    tile_address = address + (at + 63) // 64 * 64
+    longest_keys = longest(variant, 4)
+    values, pairs_t, at = amx_values_buffers(address, longest_keys, v.shape[3])
+    keys_at = address + (at + 63) // 64 * 64
+    key_bytes = rows_bytes(longest_keys, dim, 2)
+    room = workspace.shape[0] - amx_workspace_bytes(
+        longest_keys, dim, v.shape[3], block_m, block_n, scores_by_rows(variant), False
+    )
+    copies = rows_apart(k) and room >= key_bytes
+    tile_address = keys_at + (key_bytes if copies else 0)
     packed = -1
+    keys = (k, 0, 0, 0)
     for item in range(first, last):
         tile, head = tile_and_head(variant, q_heads, kv_heads, block_m, item)
         if head < 0:
             continue
+        slot, hk, k0, kv_len = tile[2], head % kv_heads, tile[6], tile[7]
         if head != packed:
-            slot, hk, k0, kv_len = tile[2], head % kv_heads, tile[6], tile[7]
             transpose_bf16(v[slot, hk, k0 : k0 + kv_len], values, pairs_t)
+            if copies:
+                keys = (copy_rows(k, slot, hk, k0, kv_len, keys_at), 0, 0, 0)
             packed = head
-        amx_query_tile(q, k, values, variant, scale, out, stats, block_m, block_n, tile,
+        if not copies:
+            keys = (k, slot, hk, k0)
+        amx_query_tile(q, keys, values, variant, scale, out, stats, block_m, block_n, tile,
                        tile_address)  # fmt: skip
 
 
@@ -836,35 +881,9 @@ def fp32_workspace_bytes(keys, dim, value_dim, block_m, block_n, by_rows, copies
 
 @njit(fastmath=FASTMATH)
 def fp32_head_bytes(keys, dim, value_dim):
-    """The bytes of a kv head's `keys` keys, then its values, side by side, each from a
-    line (`copy_rows`)."""
-    return values_offset(keys, dim) + (keys * value_dim * 4 + 63) // 64 * 64
-
-
-@njit(fastmath=FASTMATH)
-def values_offset(keys, dim):
-    """Where a kv head's copied values start, past its keys (`fp32_head_bytes`)."""
-    return (keys * dim * 4 + 63) // 64 * 64
-
-
-@njit(fastmath=FASTMATH)
-def rows_apart(x):
-    """Whether x's rows (its last dim) do not lie side by side: a packed (T, H, E) batch's,
-    or (B, L, H, E) transposed, rows a head apart."""
-    return x.strides[2] != x.shape[3] * x.itemsize
-
-
-@njit(fastmath=FASTMATH)
-def copy_rows(x, slot, h, row, count, address):
-    """x[slot, h, row : row + count] copied side by side to `address`, as an array of x's
-    type (1, 1, count, E), each row read as the contiguous array it is."""
-    width, unit = x.shape[3], x.itemsize
-    _, at, stride, _ = rows_view(x, slot, h, row)
-    first = data_address(x) + at * unit
-    for i in range(count):
-        source = numba.carray(pointer_at(first + i * stride * unit, x), width)
-        numba.carray(pointer_at(address + i * width * unit, x), width)[:] = source
-    return strided_array(address, (1, 1, count, width), (0, 0, width, 1), x)
+    """The bytes of a kv head's `keys` keys, then its values, copied side by side
+    (`copy_rows`), each from a line."""
+    return rows_bytes(keys, dim, 4) + rows_bytes(keys, value_dim, 4)
 
 
 @njit(fastmath=FASTMATH)
@@ -873,9 +892,8 @@ def fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, wo
     """Items (sequence, query head, query tile) first .. last - 1 of `fp32_forward`, on one
     thread, in its workspace (`fp32_workspace_bytes`). Keys and values whose rows lie a
     head apart (`rows_apart`) are copied side by side once per (sequence, kv head) of
-    consecutive items, where the workspace has room: such rows fall into a few of L1's sets,
-    and the products re-read a tile's rows from L2 at each row block (a packed varlen batch,
-    8 heads of 64: 1.26x the time of the same rows side by side)."""
+    consecutive items, where the workspace has room (a packed varlen batch, 8 heads of 64,
+    had taken 1.26x the time of the same rows side by side)."""
     q_heads, kv_heads, dim, value_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     address = (data_address(workspace) + 63) // 64 * 64
     longest_keys = longest(variant, 4)
@@ -896,7 +914,7 @@ def fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, wo
             keys, values = (k, slot, hk, k0), (v, slot, hk, k0)
         elif head != copied:
             keys = (copy_rows(k, slot, hk, k0, kv_len, address), 0, 0, 0)
-            values_at = address + values_offset(kv_len, dim)
+            values_at = address + rows_bytes(kv_len, dim, 4)
             values = (copy_rows(v, slot, hk, k0, kv_len, values_at), 0, 0, 0)
             copied = head
         fp32_query_tile(q, keys, values, variant, scale, out, stats, block_m, block_n, tile,
@@ -1527,14 +1545,14 @@ class DenseForward:
         # On the threads wherever there are two query tiles to share: H = 2, L = 64
         # (2 MFLOP) took 23 us there against 35 us serially.
         self.parallel = query_tiles(inputs, variant, block_m) >= 2
+        # Room to copy a kv head's rows side by side where the first call's lie apart
+        # (`rows_apart`; a later call of other strides runs without it if it must).
+        apart = inputs.key.stride(2) != head_dim or inputs.value.stride(2) != value_dim
         if kind == BF16 and amx_tiles(inputs):
             size = amx_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
-                                       *self.blocks, scores_by_rows(variant))  # fmt: skip
+                                       *self.blocks, scores_by_rows(variant), apart)  # fmt: skip
             serial, parallel = amx_forward_serial, amx_forward
         elif kind == FP32 and transposed_fp32():
-            # Room to copy a kv head's rows side by side where the first call's lie apart
-            # (`fp32_forward_items`; a later call of other strides runs without if it must).
-            apart = inputs.key.stride(2) != head_dim or inputs.value.stride(2) != value_dim
             size = fp32_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
                                         *self.blocks, scores_by_rows(variant), apart)  # fmt: skip
             serial, parallel = fp32_forward_serial, fp32_forward
