@@ -5,7 +5,8 @@ On a machine with an NVIDIA GPU:
     python benches/gpu_check.py --csv gpu_check.csv [--stages agreement dense ...]
 
 Warm-up processes (`--jobs`) first compile the kernels every stage calls, in parallel: one
-process spent about 17 s per agreement case on an H200 compiling Triton's autotune configs.
+process took ~17 s per agreement case on an H200 (Triton compiling, then tuning, each
+kernel variant's autotune configs one at a time).
 
 For every dtype (bf16, fp16), head dim (64, 128), L = S in 1k..16k, causal or not, and pass
 (forward, forward+backward) with B x H = 32, it times `triton` and each SDPA kernel that
