@@ -343,8 +343,13 @@ def torch_may_deviate(backend: Backend, case: Case, dtype: torch.dtype, which_pa
         pytest.xfail(f"{deviation} (torch's {path} CPU path)")
 
 
-def device_for(backend: Backend) -> str:
-    """Where the tests run `backend`: CUDA when it is there, else CPU."""
+def device_for(backend: Backend | str) -> str:
+    """Where the tests run `backend` (or the backend of that name): CUDA when it is there,
+    else CPU; "auto" on CPU, where its tests make their tensors."""
+    if backend == "auto":
+        return "cpu"
+    if isinstance(backend, str):
+        backend = dispatch.registry()[backend]
     if torch.cuda.is_available() and "cuda" in backend.capabilities.devices:
         return "cuda"
     return "cpu"

@@ -20,7 +20,7 @@ EVERY = [b.name for b in AVAILABLE]
 def leaves(*shapes, backend: str, seed=0):
     """Leaves of `shapes` on the device where the tests run `backend`."""
     gen = torch.Generator().manual_seed(seed)
-    device = device_for(dispatch.registry()[backend])
+    device = device_for(backend)
     return [torch.randn(*shape, generator=gen).to(device).requires_grad_() for shape in shapes]
 
 

@@ -217,7 +217,7 @@ def test_dropout_one_gives_zeros_as_sdpa(backend):
 @pytest.mark.parametrize("lengths", [(8, 8), (5, 9), (9, 5)], ids=["square", "L<S", "L>S"])
 @pytest.mark.parametrize("bias", [causal_upper_left, causal_lower_right], ids=lambda f: f.__name__)
 def test_torch_causal_bias_objects_mean_what_they_mean_in_sdpa(backend, lengths, bias):
-    device = "cpu" if backend == "auto" else device_for(dispatch.registry()[backend])
+    device = device_for(backend)
     q, k, v = qkv((2, 4, lengths[0], 16), (2, 4, lengths[1], 16), device=device)
     inputs = prepare(q, k, v, attn_mask=bias(*lengths))
     assert inputs.attn_mask is None and inputs.is_causal, "served in-kernel, not as a mask"

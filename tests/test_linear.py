@@ -114,10 +114,6 @@ def make(case: Case, seed: int = 0, device: str = "cpu") -> dict:
     return {"tensors": {name: t.to(device) for name, t in call.items()}, "keywords": keywords}
 
 
-def device_of(backend: str) -> str:
-    return device_for(dispatch.registry()[backend])
-
-
 def run(fn, call: dict, grads: tuple[torch.Tensor, torch.Tensor] | None, cast=None) -> tuple:
     """(out, state, {name: gradient}) of fn on fresh leaves (cast to `cast` if given), the
     gradients through both results when `grads` (grad_out, grad_state) are given."""
@@ -139,7 +135,7 @@ def run(fn, call: dict, grads: tuple[torch.Tensor, torch.Tensor] | None, cast=No
 
 
 def check(backend: str, case: Case, backward: bool) -> None:
-    device = device_of(backend)
+    device = device_for(backend)
     call = make(case, device=device)
     grads = None
     if backward:
@@ -205,7 +201,7 @@ def set_launcher_constant(backend: str, monkeypatch, name: str, value: int) -> N
 @pytest.mark.parametrize("backend", FUSED)
 def test_forward_keeps_its_chunks_for_the_backward_within_its_budget(backend, monkeypatch):
     call = make(Case(steps=20, gate="scalar", delta=True, initial_state=True),
-                device=device_of(backend))  # fmt: skip
+                device=device_for(backend))  # fmt: skip
     inputs = attnperf.linear_inputs.prepare_linear(**call["tensors"], **call["keywords"])
     launch = dispatch.registry()[backend].linear_forward
     assert launch(inputs, False)[2] == ()
@@ -278,7 +274,7 @@ def test_numba_chunk_buffers_start_on_cache_lines():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_in_pieces_then_steps_equals_one_call(backend):
     case = Case(steps=90, gate="scalar", delta=True, l2norm=True, initial_state=True)
-    call = make(case, device=device_of(backend))
+    call = make(case, device=device_for(backend))
     tensors, keywords = call["tensors"], call["keywords"]
     whole, whole_state = attnperf.linear_attention(**tensors, **keywords, backend=backend)
     state, outs, t = tensors["initial_state"], [], 0

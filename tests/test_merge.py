@@ -28,7 +28,7 @@ def test_chunks_merged_equal_attention_over_all_keys(backend, split):
     mask[3] = False  # a row that sees no key in any chunk: out 0, lse -inf
     mask[5, :10] = False  # a row that sees none of the first chunk: that part's lse is -inf
     dtype = torch.float64 if backend == "reference" else torch.float32
-    device = device_for(dispatch.registry()[backend])
+    device = device_for(backend)
     q_, k_, v_ = (t.to(device, dtype) for t in (q, k, v))
     mask = mask.to(device)
 

@@ -119,7 +119,7 @@ def test_reference_computes_half_precision_in_float32_as_sdpa():
 @pytest.mark.parametrize("backend", [*(b.name for b in AVAILABLE), "auto"])
 def test_autocast_casts_as_sdpa_does(backend):
     """Under autocast SDPA casts q, k, v (mixed dtypes too) to the autocast dtype."""
-    device = "cpu" if backend == "auto" else device_for(dispatch.registry()[backend])
+    device = device_for(backend)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 16, generator=gen).to(device) for _ in range(3))
     with torch.autocast(device, dtype=torch.bfloat16):

@@ -683,13 +683,13 @@ def amx_tile_buffers(address, tile_rows, width, dim, value_dim, by_rows):
 
 
 @njit(fastmath=FASTMATH)
-def amx_query_tile(q, keys, values, variant, scale, out, stats, block_m, block_n, tile,
+def amx_query_tile(q, k, k_at, values, variant, scale, out, stats, block_m, block_n, tile,
                    address):  # fmt: skip
     """Query tile `tile` (`query_tile`'s, rows > 0) of `amx_forward` against its kv head's
-    keys as (array, slot, head, first row), where they lie or as copied, and its V^T
+    keys at k_at = (slot, head, first row) of k (where they lie, or as copied) and its V^T
     (values: Ev x >= S + 32), in buffers carved at `address` (`amx_tile_buffers`)."""
     wide_vectors()
-    k, k_slot, hk, k0 = keys
+    k_slot, hk, k0 = k_at
     value_dim = values.shape[0]
     scale2 = np.float32(scale * LOG2E)
     b, h, slot, q0, i0, rows, _, kv_len = tile
@@ -768,7 +768,7 @@ def amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, wor
     copies = rows_apart(k) and room >= key_bytes
     tile_address = keys_at + (key_bytes if copies else 0)
     packed = -1
-    keys = (k, 0, 0, 0)
+    keys = k
     for item in range(first, last):
         tile, head = tile_and_head(variant, q_heads, kv_heads, block_m, item)
         if head < 0:
@@ -777,12 +777,11 @@ def amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, wor
         if head != packed:
             transpose_bf16(v[slot, hk, k0 : k0 + kv_len], values, pairs_t)
             if copies:
-                keys = (copy_rows(k, slot, hk, k0, kv_len, keys_at), 0, 0, 0)
+                keys = copy_rows(k, slot, hk, k0, kv_len, keys_at)
             packed = head
-        if not copies:
-            keys = (k, slot, hk, k0)
-        amx_query_tile(q, keys, values, variant, scale, out, stats, block_m, block_n, tile,
-                       tile_address)  # fmt: skip
+        k_at = (0, 0, 0) if copies else (slot, hk, k0)
+        amx_query_tile(q, keys, k_at, values, variant, scale, out, stats, block_m, block_n,
+                       tile, tile_address)  # fmt: skip
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -834,15 +833,14 @@ def fp32_tile_buffers(address, tile_rows, width, dim, value_dim, by_rows):
 
 
 @njit(fastmath=FASTMATH)
-def fp32_query_tile(q, keys, values, variant, scale, out, stats, block_m, block_n, tile,
+def fp32_query_tile(q, k, v, kv_at, variant, scale, out, stats, block_m, block_n, tile,
                     address):  # fmt: skip
     """Query tile `tile` (`query_tile`'s, rows > 0) of `fp32_forward`, its scores
     transposed, in buffers carved at `address` (`fp32_tile_buffers`), against its kv head's
-    keys and values as (array, slot, head, first row) where they lie or as copied
-    (`fp32_forward_items`)."""
+    keys and values at kv_at = (slot, head, first row) of k and v: where they lie, or as
+    copied (`fp32_forward_items`)."""
     wide_vectors()
-    k, k_slot, hk, k0 = keys
-    v, v_slot, v_head, v0 = values
+    k_slot, hk, k0 = kv_at
     dim, value_dim = q.shape[3], v.shape[3]
     scale2 = np.float32(scale * LOG2E)
     b, h, slot, q0, i0, rows, _, kv_len = tile
@@ -862,7 +860,7 @@ def fp32_query_tile(q, keys, values, variant, scale, out, stats, block_m, block_
         factor = modify_transposed(s_t, s_rows, variant, scale2, b, h, i0, rows, j0, cols,
                                    structure)  # fmt: skip
         transposed_softmax(s_t, factor, cols, acc_t, row_max, row_sum, shift, work)
-        x, at, row_stride, _ = rows_view(v, v_slot, v_head, v0 + j0)
+        x, at, row_stride, _ = rows_view(v, k_slot, hk, k0 + j0)
         tile_product(cols, ONE, ONE, (x, at, 1, row_stride), p_view, acc_view, value_dim,
                      tile_rows)  # fmt: skip
     transpose_tile(acc_t, acc, acc_t.shape[0], tile_rows)
@@ -904,21 +902,19 @@ def fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, wo
     copies = (rows_apart(k) or rows_apart(v)) and room >= head_bytes
     tile_address = address + (head_bytes if copies else 0)
     copied = -1
-    keys, values = (k, 0, 0, 0), (v, 0, 0, 0)
+    keys, values = k, v
     for item in range(first, last):
         tile, head = tile_and_head(variant, q_heads, kv_heads, block_m, item)
         if head < 0:
             continue
         slot, hk, k0, kv_len = tile[2], head % kv_heads, tile[6], tile[7]
-        if not copies:
-            keys, values = (k, slot, hk, k0), (v, slot, hk, k0)
-        elif head != copied:
-            keys = (copy_rows(k, slot, hk, k0, kv_len, address), 0, 0, 0)
-            values_at = address + rows_bytes(kv_len, dim, 4)
-            values = (copy_rows(v, slot, hk, k0, kv_len, values_at), 0, 0, 0)
+        if copies and head != copied:
+            keys = copy_rows(k, slot, hk, k0, kv_len, address)
+            values = copy_rows(v, slot, hk, k0, kv_len, address + rows_bytes(kv_len, dim, 4))
             copied = head
-        fp32_query_tile(q, keys, values, variant, scale, out, stats, block_m, block_n, tile,
-                        tile_address)  # fmt: skip
+        kv_at = (0, 0, 0) if copies else (slot, hk, k0)
+        fp32_query_tile(q, keys, values, kv_at, variant, scale, out, stats, block_m, block_n,
+                        tile, tile_address)  # fmt: skip
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -1511,6 +1507,19 @@ def softmax_delta(out, grad_out, stats, grad_lse, delta):
             delta[b, h, i] = total
 
 
+def tensor_rows_apart(tensor: Tensor) -> bool:
+    """`rows_apart` of a tensor: whether its rows (its last dim) do not lie side by side."""
+    return tensor.stride(-2) != tensor.shape[-1]
+
+
+def rows_side_by_side(tensor: Tensor) -> Tensor:
+    """`tensor` itself where its rows lie side by side, else a contiguous copy: the
+    backward's products read Q, K, V and dO rows in place, and rows a head apart ((B, L, H,
+    E) transposed) fall into a few of L1's sets (fp32, L = 2048, 8 heads of 128: the
+    backward took 1.24x the time; one copy of each is O(L E), the backward O(L^2 E))."""
+    return tensor.contiguous() if tensor_rows_apart(tensor) else tensor
+
+
 class DenseForward:
     """numba's forward for calls of one metadata: what a call's metadata decides (the
     micro-kernel kind, the kernel, its tiles and threads' workspace, the variant of a call
@@ -1547,7 +1556,7 @@ class DenseForward:
         self.parallel = query_tiles(inputs, variant, block_m) >= 2
         # Room to copy a kv head's rows side by side where the first call's lie apart
         # (`rows_apart`; a later call of other strides runs without it if it must).
-        apart = inputs.key.stride(2) != head_dim or inputs.value.stride(2) != value_dim
+        apart = tensor_rows_apart(inputs.key) or tensor_rows_apart(inputs.value)
         if kind == BF16 and amx_tiles(inputs):
             size = amx_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
                                        *self.blocks, scores_by_rows(variant), apart)  # fmt: skip
@@ -1713,14 +1722,6 @@ def fused_backward_pays(items: int, threads: int) -> bool:
     1.05-1.17x faster; 2 kv heads, the one pass 1.43-1.58x faster.
     """
     return items > 0 and items / (threads * math.ceil(items / threads)) >= 0.75
-
-
-def rows_side_by_side(tensor: Tensor) -> Tensor:
-    """`tensor` itself where its rows (its last dim) lie side by side, else a contiguous
-    copy: the backward's products read Q, K, V and dO rows in place, and rows a head apart
-    ((B, L, H, E) transposed) fall into a few of L1's sets (fp32, L = 2048, 8 heads of 128:
-    the backward took 1.24x the time; one copy of each is O(L E), the backward O(L^2 E))."""
-    return tensor if tensor.stride(-2) == tensor.shape[-1] else tensor.contiguous()
 
 
 def numba_attention_backward(
