@@ -16,12 +16,19 @@ from attnperf.linear_inputs import LinearAttentionInputs
 from attnperf.serving import KVCacheInputs
 
 # Fastest first, per device; on CPU, numba goes first where this machine's measured table
-# (`attnperf tune`, attnperf.cpu_table) says it is faster, sdpa first everywhere else.
+# (`attnperf tune`, attnperf.cpu_table) says it is faster, sdpa first everywhere else. On
+# CUDA, SDPA's own kernels beat triton on the calls they serve as they are: on an H200
+# (`python benches/gpu_check.py`, bf16 and fp16, B x H = 32, 2026-12-04) triton's forward
+# ran at 0.12-0.81x FlashAttention's speed at L <= 4096 and 0.78-1.32x at 8192-16384, its
+# forward+backward at 0.10-0.94x, a decoding step at 0.05-0.51x SDPA with the group packed
+# as rows; a packed batch of 16 causal sequences ran at 10.3x SDPA's padded batch. So sdpa
+# goes first there, and triton first for the calls SDPA could serve only under a mask.
 PRIORITY = {
-    "cuda": ("triton", "sdpa", "reference"),
+    "cuda": ("sdpa", "triton", "reference"),
     "cpu": ("sdpa", "numba", "reference"),
 }
 CPU_NUMBA_FIRST = ("numba", "sdpa", "reference")
+CUDA_TRITON_FIRST = ("triton", "sdpa", "reference")
 # Linear attention: the fused kernels first, the reference recurrence as the last resort.
 LINEAR_PRIORITY = {"cuda": ("triton", "reference"), "cpu": ("numba", "reference")}
 # Variants that sdpa serves only through an L x S mask built per call, where numba skips
@@ -58,6 +65,15 @@ def numba_leads_on_cpu(inputs: AttentionInputs | KVCacheInputs) -> bool:
     return bool(rules) and cpu_table.numba_leads(inputs, rules)
 
 
+def triton_leads_on_cuda(inputs: AttentionInputs | KVCacheInputs) -> bool:
+    """Whether triton goes first for this CUDA call: for the variants in MASKED_BY_SDPA,
+    except decoding steps that sdpa serves with the group packed as rows, no mask
+    (sdpa.sees_whole_cache)."""
+    if isinstance(inputs, KVCacheInputs) and sees_whole_cache(inputs):
+        return False
+    return bool(inputs.features() & MASKED_BY_SDPA)
+
+
 class BackendNotSupportedError(RuntimeError):
     """No backend (or not the one asked for) can serve the call; the message lists why."""
 
@@ -78,6 +94,8 @@ def priority(
         order = LINEAR_PRIORITY.get(inputs.device.type, ("reference",))
     elif inputs.device.type == "cpu" and numba_leads_on_cpu(inputs):
         order = CPU_NUMBA_FIRST
+    elif inputs.device.type == "cuda" and triton_leads_on_cuda(inputs):
+        order = CUDA_TRITON_FIRST
     known = registry()
     return tuple(name for name in order if name in known)
 

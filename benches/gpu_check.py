@@ -4,9 +4,10 @@ On a machine with an NVIDIA GPU:
 
     python benches/gpu_check.py --csv gpu_check.csv [--stages agreement dense ...]
 
-Warm-up processes (`--jobs`) first compile the kernels every stage calls, in parallel: one
-process took ~17 s per agreement case on an H200 (Triton compiling, then tuning, each
-kernel variant's autotune configs one at a time).
+Warm-up processes (`--jobs`, `--warm-up-limit` seconds) first compile the kernels every
+stage calls, in parallel (one process took ~17 s per agreement case on an H200: Triton
+compiling, then tuning, each kernel variant's autotune configs one at a time), and check
+the agreement cases among them; the timed run then times the other stages.
 
 For every dtype (bf16, fp16), head dim (64, 128), L = S in 1k..16k, causal or not, and pass
 (forward, forward+backward) with B x H = 32, it times `triton` and each SDPA kernel that
@@ -15,7 +16,8 @@ and triton's speed relative to each kernel (> 1: triton is faster). Variant rows
 E = 128, causal sliding window of 256 keys, alone and with softcap 50) time `triton`
 against SDPA with the mask materialised once and FlexAttention compiled. Serving rows (bf16):
 decode steps (one query token, Hq = 32 over H = 8, E = 128, B = 1 and 8, caches of 4k to
-64k keys) of attention_with_kvcache against SDPA on the cache, with the bandwidth achieved;
+64k keys) of attention_with_kvcache against SDPA on the cache with the GQA group packed as
+rows, with the bandwidth achieved;
 a packed causal batch of 16 sequences (512..8192 tokens, seeded) through attention_varlen
 against SDPA and triton on the padded batch under a padding mask. Linear-attention rows
 (fp32, the gated delta rule with Qwen3-Next's heads, 16 key and 32 value heads of 128, B = 1,
@@ -23,13 +25,15 @@ T = 4k and 16k, forward and forward+backward): `linear_attention` on triton agai
 `chunk_gated_delta_rule` where fla is installed and transformers' torch fallback where
 transformers is, after an agreement check against the float64 recurrence; and scalar gates
 with the additive rule (simple GLA, q and k at all 32 heads) against fla's
-`chunk_simple_gla`. Without a GPU, `TRITON_INTERPRET=1 python benches/gpu_check.py --tiny`
+`chunk_simple_gla`. The calls stage says where a short call's time goes (host, GPU kernels,
+synchronisations). Without a GPU, `TRITON_INTERPRET=1 python benches/gpu_check.py --tiny`
 runs the same script end to end on CPU at tiny sizes (its timings mean nothing there).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib.metadata
 import itertools
@@ -43,6 +47,8 @@ import torch
 import torch.nn.functional as F
 
 import attnperf
+import attnperf.kernels.triton.linear as triton_linear
+import attnperf.kernels.triton.variant as triton_variant
 from attnperf.testing import (
     assert_agrees,
     assert_linear_agrees,
@@ -153,6 +159,8 @@ def compare_all(args: dict) -> None:
 def time_ms(fn, device: str) -> float | None:
     if SHARD is not None:  # warming up: compile and run once, time nothing
         fn()
+        if device == "cuda":  # many processes share the GPU: keep to what each one holds
+            torch.cuda.empty_cache()
         return None
     if device == "cuda":
         import triton.testing
@@ -259,8 +267,10 @@ def benchmark_serving(device: str, tiny: bool, rows: list[dict]) -> None:
             contenders = {
                 "triton": lambda q, k, v, _, length=length: attnperf.attention_with_kvcache(
                     q, k, v, length, backend="triton"),
+                # SDPA with the GQA group packed as rows: (B, kv heads, group, E)
                 "sdpa": lambda q, k, v, _: F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True),
+                    q.reshape(q.shape[0], kv_heads, -1, head_dim), k.transpose(1, 2),
+                    v.transpose(1, 2)),
             }  # fmt: skip
             timings = {name: measure(fn, q, *cache, False, "forward", None, device)
                        for name, fn in contenders.items()}  # fmt: skip
@@ -311,11 +321,14 @@ def measure(fn, q, k, v, causal, pass_, grad_out, device) -> float | None:
     try:
         return time_ms(call, device)
     except Exception as error:  # an SDPA kernel (or flex) that refuses this call
-        print(f"  skipped: {str(error).splitlines()[0][:100]}", file=sys.stderr)
+        if SHARD is None:  # the timed run says it once
+            print(f"  skipped: {str(error).splitlines()[0][:100]}", file=sys.stderr)
         return None
 
 
 def report(rows, dtype_name, head_dim, length, causal, pass_, timings, flops) -> None:
+    if SHARD is not None:  # warming up: nothing was timed
+        return
     triton_ms = timings["triton"]
     cells = []
     for name, ms in timings.items():
@@ -364,6 +377,24 @@ def linear_contenders() -> dict[str, dict]:
     return {"fp32-gated-delta": gated_delta, "fp32-simple-gla": simple_gla}
 
 
+def check_linear_agreement(q, k, v, g, beta) -> int:
+    """The gated delta rule on triton against the float64 recurrence: 1 if it disagrees."""
+    call = {"g": g, "beta": beta, "use_qk_l2norm": True, "output_final_state": True}
+    try:
+        actual = attnperf.linear_attention(q, k, v, **call, backend="triton")
+        exact = linear_reference(q.double(), k.double(), v.double(), **{**call, "g": g.double(),
+                                 "beta": beta.double()})  # fmt: skip
+        baseline = linear_reference(q, k, v, **call)
+        for part, what in zip(range(2), ("linear out", "linear final state"), strict=True):
+            assert_linear_agrees(actual[part], exact[part].to(actual[part].device),
+                                 baseline[part], what=what)  # fmt: skip
+    except Exception as error:
+        print(f"FAIL linear attention: {type(error).__name__}: {str(error)[:500]}")
+        return 1
+    print("linear attention agrees (gated delta, l2norm, T = 100)")
+    return 0
+
+
 def benchmark_linear(device: str, tiny: bool, rows: list[dict]) -> int:
     """The gated delta rule on triton: agreement with the float64 recurrence (the count of
     failures), then its speed against fla's and transformers' chunked kernels."""
@@ -377,21 +408,8 @@ def benchmark_linear(device: str, tiny: bool, rows: list[dict]) -> int:
         g = F.logsigmoid(torch.randn(1, steps, heads, device=device, generator=gen))
         return q, k, v, g, torch.rand(1, steps, heads, device=device, generator=gen)
 
-    q, k, v, g, beta = inputs(100)
-    call = {"g": g, "beta": beta, "use_qk_l2norm": True, "output_final_state": True}
-    failures = 0
-    try:
-        actual = attnperf.linear_attention(q, k, v, **call, backend="triton")
-        exact = linear_reference(q.double(), k.double(), v.double(), **{**call, "g": g.double(),
-                                 "beta": beta.double()})  # fmt: skip
-        baseline = linear_reference(q, k, v, **call)
-        for part, what in zip(range(2), ("linear out", "linear final state"), strict=True):
-            assert_linear_agrees(actual[part], exact[part].to(actual[part].device),
-                                 baseline[part], what=what)  # fmt: skip
-        print("linear attention agrees (gated delta, l2norm, T = 100)")
-    except Exception as error:
-        failures += 1
-        print(f"FAIL linear attention: {type(error).__name__}: {str(error)[:500]}")
+    checked = inputs(100)
+    failures = check_linear_agreement(*checked) if my_item() else 0
     contenders = linear_contenders()
     for steps in (32,) if tiny else (4096, 16384):
         q, k, v, g, beta = inputs(steps)
@@ -414,18 +432,141 @@ def benchmark_linear(device: str, tiny: bool, rows: list[dict]) -> int:
     return failures
 
 
-STAGES = ("agreement", "dense", "variants", "serving", "linear")
+@contextlib.contextmanager
+def pageable_tables():
+    """The launchers' sequence tables copied from the host at every call, as before
+    on_device kept them on the device: each copy waits for the stream to drain."""
+    modules = (triton_variant, triton_linear)
+    kept = [module.on_device for module in modules]
+    for module in modules:
+        module.on_device = lambda table, device: table.to(device)
+    try:
+        yield
+    finally:
+        for module, function in zip(modules, kept, strict=True):
+            module.on_device = function
+
+
+def call_cases(device: str, tiny: bool) -> dict:
+    """name -> {contender: fn()}: short calls, where the host's cost per call shows."""
+    length, steps, cached = (64, 32, 64) if tiny else (1024, 4096, 4096)
+    batch, heads, dim = (1, 2, 16) if tiny else (2, 16, 64)
+    q, k, v = (torch.randn(batch, heads, length, dim, device=device, dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))  # fmt: skip
+    grad = torch.randn_like(q)
+
+    def dense(backend, backward):
+        def call():
+            if backend == "sdpa":
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = attnperf.attention(q, k, v, is_causal=True, backend=backend)
+            if backward:
+                out.backward(grad)
+
+        return call
+
+    q_heads, kv_heads, e = (4, 2, 16) if tiny else (32, 8, 128)
+    step_q = torch.randn(1, 1, q_heads, e, device=device, dtype=torch.bfloat16)
+    cache = [torch.randn(1, cached, kv_heads, e, device=device, dtype=torch.bfloat16)
+             for _ in range(2)]  # fmt: skip
+    # SDPA with the GQA group packed as rows: (1, kv heads, group, E) against (1, kv heads, S, E)
+    packed = [step_q.view(1, kv_heads, q_heads // kv_heads, e), *(t.transpose(1, 2) for t in cache)]
+    lq, lk = (torch.randn(1, steps, 2, 16 if tiny else 128, device=device) for _ in range(2))
+    lv = torch.randn(1, steps, 4, 16 if tiny else 128, device=device)
+    g = F.logsigmoid(torch.randn(1, steps, 4, device=device))
+    beta = torch.rand(1, steps, 4, device=device)
+    return {
+        f"dense causal forward L={length}": {
+            "triton": dense("triton", False), "sdpa": dense("sdpa", False)},
+        f"dense causal forward+backward L={length}": {
+            "triton": dense("triton", True), "sdpa": dense("sdpa", True)},
+        f"decode B=1 S={cached}": {
+            "triton": lambda: attnperf.attention_with_kvcache(step_q, *cache, cached,
+                                                              backend="triton"),
+            "sdpa": lambda: F.scaled_dot_product_attention(*packed)},
+        f"linear gated delta forward T={steps}": {
+            "triton": lambda: attnperf.linear_attention(lq, lk, lv, g=g, beta=beta,
+                                                        backend="triton")},
+    }  # fmt: skip
+
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profile_calls(device: str, tiny: bool) -> None:
+    """Where a short call's time goes, triton against SDPA (printed, not in the CSV): the
+    time per call with calls queued back to back (do_bench), the host's own time per call
+    (calls queued without a sync), the GPU's kernel time and the host-device
+    synchronisations per call (torch.profiler); for triton, the same with the tables copied
+    at every call (triton-pageable), and the host's hottest functions (cProfile)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    calls = 3 if tiny else 20
+    for case, contenders in call_cases(device, tiny).items():
+        if "triton" in contenders:
+            contenders["triton-pageable"] = contenders["triton"]
+        for name, fn in contenders.items():
+            if not my_item():
+                continue
+            with pageable_tables() if name == "triton-pageable" else contextlib.nullcontext():
+                fn(), sync()
+                if SHARD is not None:
+                    continue
+                ms = time_ms(fn, device)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                host_us = (time.perf_counter() - start) / calls * 1e6
+                sync()
+                with profile(activities=activities) as prof:
+                    for _ in range(calls):
+                        fn()
+                    sync()
+                events = prof.events()
+                gpu_us = (
+                    sum(
+                        e.time_range.elapsed_us()
+                        for e in events
+                        if e.device_type == torch.autograd.DeviceType.CUDA
+                    )
+                    / calls
+                )
+                syncs = sum(e.name.startswith(SYNCS) and "Async" not in e.name
+                            for e in events) / calls  # fmt: skip
+            print(
+                f"{case:36s} {name:16s} {ms * 1e3:8.1f} us a call, host {host_us:7.1f} us, "
+                f"GPU kernels {gpu_us:7.1f} us, {syncs:.1f} syncs",
+                flush=True,
+            )
+            if name == "triton":
+                profiler = cProfile.Profile()
+                for _ in range(calls):
+                    profiler.runcall(fn)
+                sync()
+                stats = pstats.Stats(profiler, stream=sys.stdout).strip_dirs()
+                stats.sort_stats("cumulative").print_stats(r"attnperf|kernels|triton", 25)
+                stats.sort_stats("tottime").print_stats(12)
+
+
+STAGES = ("agreement", "dense", "variants", "serving", "linear", "calls")
 
 
 def run_stages(names, device: str, tiny: bool, rows: list[dict], csv_path=None) -> int:
-    """Runs the stages `names`, writing `rows` to `csv_path` after each; returns the count
-    of failures."""
+    """Runs the stages `names`, writing `rows` to `csv_path` after each and when cut short;
+    returns the count of failures."""
     stages = {
         "agreement": lambda: check_agreement(device, tiny),
         "dense": lambda: benchmark(device, tiny, rows),
         "variants": lambda: benchmark_variants(device, tiny, rows),
         "serving": lambda: benchmark_serving(device, tiny, rows),
         "linear": lambda: benchmark_linear(device, tiny, rows),
+        "calls": lambda: profile_calls(device, tiny),
     }
     failures = 0
     for name in names:
@@ -437,21 +578,27 @@ def run_stages(names, device: str, tiny: bool, rows: list[dict], csv_path=None) 
         except Exception:
             failures += 1
             print(f"FAIL   stage {name} broke:\n{traceback.format_exc()}")
-        print(f"stage {name}: {time.perf_counter() - start:.0f} s", flush=True)
-        if rows and csv_path:  # after each stage, so a run cut short keeps what it measured
-            with open(csv_path, "w", newline="") as handle:
-                writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows(rows)
+        finally:  # a run cut short (timeout -s INT) keeps what it measured
+            write_csv(rows, csv_path)
+        if SHARD is None:
+            print(f"stage {name}: {time.perf_counter() - start:.0f} s", flush=True)
     return failures
 
 
-def warm_up(index: int, count: int, names, device: str, tiny: bool) -> None:
-    """A warm-up process: its share of the stages' items, untimed, its output discarded."""
+def write_csv(rows: list[dict], path) -> None:
+    if rows and path:
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def warm_up(index: int, count: int, names, device: str, tiny: bool) -> int:
+    """A warm-up process: its share of the stages' items, untimed; the agreement cases among
+    them are checked and printed. Returns the count of failures."""
     global SHARD
     SHARD = (index, count)
-    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (the process's own end)
-    run_stages(names, device, tiny, [])
+    return run_stages(names, device, tiny, [])
 
 
 def main() -> int:
@@ -459,35 +606,50 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU interpreter)")
     parser.add_argument("--csv", default="gpu_check.csv", help="where to write the figures")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=STAGES,
-                        help="which parts to run (all by default)")  # fmt: skip
+                        help="which parts to run, in this order (all by default)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=None,
                         help="warm-up processes compiling the kernels first (default: "
-                             "the CPU count up to 16 on a GPU, none on CPU)")  # fmt: skip
+                             "the CPU count up to 8 on a GPU, none on CPU)")  # fmt: skip
+    parser.add_argument(
+        "--warm-up-limit",
+        type=float,
+        default=240.0,
+        help="seconds after which the warm-up is stopped (default 240)",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("no GPU: run with TRITON_INTERPRET=1 and --tiny to check the script on CPU")
         return 2
     if args.jobs is None:
-        args.jobs = min(16, os.cpu_count() or 1) if device == "cuda" else 1
+        args.jobs = min(8, os.cpu_count() or 1) if device == "cuda" else 1
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     print(f"device: {name}; torch {torch.__version__}; "
-          f"triton {importlib.metadata.version('triton')}")  # fmt: skip
+          f"triton {importlib.metadata.version('triton')}", flush=True)  # fmt: skip
+    failures, stages = 0, list(args.stages)
     if args.jobs > 1:
         # Triton compiles each kernel variant and autotune config on first use, one at a
         # time: the first H200 run took ~17 s per agreement case (compiles and tuning).
-        # Warm-up processes compile the stages' kernels in parallel; the timed run then
-        # loads them from the cache.
+        # Warm-up processes compile the stages' kernels in parallel and check the agreement
+        # cases (untimed work); the timed run then loads the kernels from the cache.
         start = time.perf_counter()
         spawn = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        pool = spawn.Pool(args.jobs)
+        shares = pool.starmap_async(warm_up, [(i, args.jobs, stages, device, args.tiny)
+                                              for i in range(args.jobs)])  # fmt: skip
         try:
-            with spawn.Pool(args.jobs) as pool:
-                pool.starmap(warm_up, [(i, args.jobs, args.stages, device, args.tiny)
-                                       for i in range(args.jobs)])  # fmt: skip
-        except Exception:  # the timed run compiles whatever the warm-up did not
+            failures += sum(shares.get(timeout=args.warm_up_limit))
+            if "agreement" in stages:
+                stages.remove("agreement")  # checked in full by the warm-up
+        except multiprocessing.TimeoutError:  # the timed run compiles what is left
+            print(f"warm-up stopped at its limit of {args.warm_up_limit:.0f} s")
+        except Exception:
             print(f"warm-up broke:\n{traceback.format_exc()}")
-        print(f"warm-up in {args.jobs} processes: {time.perf_counter() - start:.0f} s")
-    failures = run_stages(args.stages, device, args.tiny, [], args.csv)
+        pool.terminate()
+        pool.join()
+        print(f"warm-up in {args.jobs} processes: {time.perf_counter() - start:.0f} s",
+              flush=True)  # fmt: skip
+    failures += run_stages(stages, device, args.tiny, [], args.csv)
     print(f"wrote {args.csv}; failures: {failures}")
     return 1 if failures else 0
 

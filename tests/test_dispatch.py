@@ -8,7 +8,9 @@ import torch
 import attnperf
 from attnperf import dispatch
 from attnperf.backend import Backend
+from attnperf.inputs import prepare
 from attnperf.kernels.reference import BACKEND as REFERENCE
+from attnperf.serving import prepare_kvcache, prepare_varlen
 
 
 class FakeBackend(Backend):
@@ -67,8 +69,6 @@ def test_declared_capabilities_refuse_with_reasons():
             dtypes=(torch.float64,),
         )
 
-    from attnperf.inputs import prepare
-
     reasons = NoDropout("nodrop").not_supported_reasons(prepare(*qkv(), dropout_p=0.5))
     assert reasons == ["dtype fp32 not in (fp64)", "dropout_p > 0 not supported"]
 
@@ -106,3 +106,26 @@ def test_auto_on_cpu_sends_variants_that_sdpa_would_materialise_to_numba(variant
 
 def test_auto_sends_softcap_past_sdpa_which_refuses_it():
     assert attnperf.choose_backend(*qkv(), softcap=30.0) != "sdpa"
+
+
+def cuda_cases():
+    """(inputs, whether triton goes first on CUDA): built on the CPU, the rule reads only
+    the call's features."""
+    q, k, v = qkv()
+    packed = torch.randn(6, 2, 8)
+    offsets = torch.tensor([0, 2, 6], dtype=torch.int32)
+    step = torch.randn(1, 1, 4, 8), torch.randn(1, 16, 2, 8)
+    return {
+        "plain": (prepare(q, k, v, is_causal=True), False),
+        "window": (prepare(q, k, v, window=(1, 0)), True),
+        "alibi": (prepare(q, k, v, alibi_slopes=torch.rand(2)), True),
+        "varlen": (prepare_varlen(packed, packed, packed, offsets, offsets, 4, 4), True),
+        "decode": (prepare_kvcache(step[0], step[1], step[1], 9), False),
+        "decode-window": (prepare_kvcache(step[0], step[1], step[1], 9, window=(3, 0)), True),
+    }
+
+
+@pytest.mark.parametrize("case", cuda_cases().keys())
+def test_on_cuda_sdpa_goes_first_unless_it_would_need_a_mask(case):
+    inputs, triton_first = cuda_cases()[case]
+    assert dispatch.triton_leads_on_cuda(inputs) == triton_first

@@ -1,4 +1,5 @@
-"""The Triton backend's memory: the fused backward allocates O(L), never L x S for nothing."""
+"""The Triton backend's memory: the fused backward allocates O(L), never L x S for nothing;
+its launchers' tables stay on the device."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from torch.utils._pytree import tree_flatten
 
 import attnperf
 from attnperf import dispatch
+from attnperf.kernels.triton.jit import _kept_on_device, on_device
 
 TRITON = dispatch.registry()["triton"]
 pytestmark = pytest.mark.skipif(
@@ -56,3 +58,18 @@ def test_backward_allocates_no_scores_sized_tensor_unless_the_mask_needs_its_gra
             out.backward(torch.ones_like(out))
         assert recorder.largest >= scores
         assert attn_mask.grad.shape == (length, length)
+
+
+def test_a_repeated_sequence_table_is_kept_on_the_device_and_a_changed_one_is_not():
+    # The keeping itself runs on any device; on a GPU, on_device goes through it.
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    keep = on_device if device.type == "cuda" else (
+        lambda t, d: _kept_on_device(d, t.dtype, tuple(t.shape), t.numpy().tobytes()))  # fmt: skip
+    table = torch.tensor([[0, 0, 5, 0, 7, 2], [1, 0, 3, 0, 9, 6]])
+    kept = keep(table, device)
+    assert kept.device.type == device.type and kept.dtype == torch.int64
+    assert torch.equal(kept.cpu(), table)
+    assert keep(table.clone(), device) is kept  # equal contents: no new copy
+    table[1, 4] = 10  # the host's table changed: a new copy, and the kept one stays as it was
+    assert torch.equal(keep(table, device).cpu(), table)
+    assert kept[1, 4].item() == 9

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -22,6 +23,23 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 MAX_HEAD_DIM = 256
+
+
+def on_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host table (the sequences' starts and lengths) on the kernels' device. A copy
+    from the host makes it wait for the device's stream to drain, and the GPU then idles
+    while the host prepares the next call: on an H200 that held the triton forward at L =
+    1024 to 0.12x FlashAttention's speed (benches/gpu_check.py). So the tables of recent
+    calls stay on the device: a repeated shape launches without a copy."""
+    if device.type != "cuda":
+        return table.to(device)
+    return _kept_on_device(device, table.dtype, tuple(table.shape), table.numpy().tobytes())
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_on_device(device: torch.device, dtype, shape: tuple, data: bytes) -> torch.Tensor:
+    # Never written: the kernels only read their tables.
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape).to(device)
 
 
 def jit(function):

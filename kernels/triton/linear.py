@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnperf.kernels.triton.jit import jit, next_power_of_2, tl, triton
+from attnperf.kernels.triton.jit import jit, next_power_of_2, on_device, tl, triton
 from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs, l2norm
 
 CHUNK = 64  # token by token: steps between stored states (the backward replays a chunk at a time)
@@ -427,8 +427,9 @@ def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Ten
     if final.numel():
         kernel[(blocks, inputs.count * inputs.value_heads)](
             q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), _fp32(inputs.initial_state, v),
-            out, final, saved, inputs.sequences.to(device), inputs.scale, inputs.value_heads,
-            inputs.key_heads, v.shape[1], inputs.head_dim, inputs.value_dim, chunks,
+            out, final, saved, on_device(inputs.sequences, device), inputs.scale,
+            inputs.value_heads, inputs.key_heads, v.shape[1], inputs.head_dim, inputs.value_dim,
+            chunks,
             HAS_H0=inputs.initial_state is not None, SAVE=save, BK=bk, BV=bv, **flags,
         )  # fmt: skip
     return out, final, saved
@@ -474,7 +475,7 @@ def triton_linear_backward(
     if dh0.numel() and chunked:
         linear_chunk_backward_kernel[(blocks, inputs.count * heads)](
             q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), do, _fp32(grad_state, v), saved,
-            dq, dk, dv, dg, dbeta, dh0, inputs.sequences.to(device), inputs.scale, heads,
+            dq, dk, dv, dg, dbeta, dh0, on_device(inputs.sequences, device), inputs.scale, heads,
             inputs.key_heads, steps, inputs.head_dim, inputs.value_dim, chunks,
             batch * steps * heads, HAS_DFINAL=grad_state is not None, BK=bk, BV=bv, **flags,
         )  # fmt: skip
@@ -482,7 +483,7 @@ def triton_linear_backward(
         scratch = torch.empty((blocks, inputs.count * heads, CHUNK, bk, bv), device=device)
         linear_backward_kernel[(blocks, inputs.count * heads)](
             q, k, v, _fp32(inputs.g, v), _fp32(inputs.beta, v), do, _fp32(grad_state, v), saved,
-            scratch, dq, dk, dv, dg, dbeta, dh0, inputs.sequences.to(device), inputs.scale,
+            scratch, dq, dk, dv, dg, dbeta, dh0, on_device(inputs.sequences, device), inputs.scale,
             heads, inputs.key_heads, steps, inputs.head_dim, inputs.value_dim, chunks,
             inputs.count, batch * steps * heads, HAS_DFINAL=grad_state is not None, BK=bk,
             BV=bv, **flags,

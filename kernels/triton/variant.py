@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from attnperf.inputs import AttentionInputs
-from attnperf.kernels.triton.jit import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, jit, tl
+from attnperf.kernels.triton.jit import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, jit, on_device, tl
 from attnperf.serving import KVCacheInputs
 
 # A call's variant is lowered once (`lower_variant`) into runtime arguments shared by every
@@ -214,7 +214,7 @@ def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple[dict, dict]:
     args = {
         "left": UNBOUNDED if left is None else min(left, UNBOUNDED),
         "right": UNBOUNDED if right is None else min(right, UNBOUNDED),
-        "Sequences": inputs.sequences.table.to(device),
+        "Sequences": on_device(inputs.sequences.table, device),
         "softcap2": variant.softcap * LOG2E if variant.softcap is not None else 1.0,
         "Alibi": dummy if slopes is None else (slopes * LOG2E).float().contiguous(),
         "Kinds": dummy, "PartialIndex": dummy, "Partial": dummy, "lkb": 0, "lkh": 0, "lkq": 0,
