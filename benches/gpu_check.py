@@ -34,17 +34,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import csv
 import importlib.metadata
 import itertools
 import multiprocessing
 import os
+import pstats
 import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 import attnperf
 import attnperf.kernels.triton.linear as triton_linear
@@ -494,61 +497,57 @@ def call_cases(device: str, tiny: bool) -> dict:
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
+def call_figures(fn, device: str, calls: int, activities) -> tuple[float, float, float, float]:
+    """(us a call with calls queued back to back, the host's us a call, the GPU kernels' us
+    a call, synchronisations a call)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    ms = time_ms(fn, device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    sync()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.time_range.elapsed_us() for e in kernels) / calls
+    syncs = sum(e.name.startswith(SYNCS) and "Async" not in e.name for e in events) / calls
+    return ms * 1e3, host_us, gpu_us, syncs
+
+
 def profile_calls(device: str, tiny: bool) -> None:
     """Where a short call's time goes, triton against SDPA (printed, not in the CSV): the
     time per call with calls queued back to back (do_bench), the host's own time per call
     (calls queued without a sync), the GPU's kernel time and the host-device
     synchronisations per call (torch.profiler); for triton, the same with the tables copied
-    at every call (triton-pageable), and the host's hottest functions (cProfile)."""
-    import cProfile
-    import pstats
-
-    from torch.profiler import ProfilerActivity, profile
-
+    at every call (triton-pageable), and the host's hottest functions (cProfile). Each
+    contender is measured twice, in order then in reverse, so that an order effect shows."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     calls = 3 if tiny else 20
     for case, contenders in call_cases(device, tiny).items():
         if "triton" in contenders:
             contenders["triton-pageable"] = contenders["triton"]
-        for name, fn in contenders.items():
+        names = list(contenders)
+        if SHARD is None:
+            names += names[::-1]
+        for turn, name in enumerate(names):
             if not my_item():
                 continue
+            fn = contenders[name]
             with pageable_tables() if name == "triton-pageable" else contextlib.nullcontext():
-                fn(), sync()
-                if SHARD is not None:
+                fn()
+                if SHARD is not None:  # warming up: compiled, nothing to time
                     continue
-                ms = time_ms(fn, device)
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                host_us = (time.perf_counter() - start) / calls * 1e6
-                sync()
-                with profile(activities=activities) as prof:
-                    for _ in range(calls):
-                        fn()
-                    sync()
-                events = prof.events()
-                gpu_us = (
-                    sum(
-                        e.time_range.elapsed_us()
-                        for e in events
-                        if e.device_type == torch.autograd.DeviceType.CUDA
-                    )
-                    / calls
-                )
-                syncs = sum(e.name.startswith(SYNCS) and "Async" not in e.name
-                            for e in events) / calls  # fmt: skip
-            print(
-                f"{case:36s} {name:16s} {ms * 1e3:8.1f} us a call, host {host_us:7.1f} us, "
-                f"GPU kernels {gpu_us:7.1f} us, {syncs:.1f} syncs",
-                flush=True,
-            )
-            if name == "triton":
+                ms, host_us, gpu_us, syncs = call_figures(fn, device, calls, activities)
+            print(f"{case:36s} {name:16s} {ms:8.1f} us a call, host {host_us:7.1f} us, "
+                  f"GPU kernels {gpu_us:7.1f} us, {syncs:.1f} syncs", flush=True)  # fmt: skip
+            if name == "triton" and turn < len(contenders):
                 profiler = cProfile.Profile()
                 for _ in range(calls):
                     profiler.runcall(fn)
-                sync()
                 stats = pstats.Stats(profiler, stream=sys.stdout).strip_dirs()
                 stats.sort_stats("cumulative").print_stats(r"attnperf|kernels|triton", 25)
                 stats.sort_stats("tottime").print_stats(12)
