@@ -258,6 +258,17 @@ def benchmark_variants(device: str, tiny: bool, rows: list[dict]) -> None:
                 report(rows, label, head_dim, length, True, pass_, timings, total)
 
 
+def sdpa_decode(q, k_cache, v_cache):
+    """A decoding step by SDPA as a careful user calls it: q (B, 1, Hq, E) with each kv head's
+    group packed as its rows, (B, H, group, E), against the cache (B, S, H, E) seen as (B,
+    H, S, E), no mask."""
+    batch, dim = q.shape[0], q.shape[3]
+    return F.scaled_dot_product_attention(
+        q.reshape(batch, k_cache.shape[2], -1, dim), k_cache.transpose(1, 2),
+        v_cache.transpose(1, 2),
+    )  # fmt: skip
+
+
 def benchmark_serving(device: str, tiny: bool, rows: list[dict]) -> None:
     """Decode steps over a KV cache and a packed batch of variable lengths, bf16."""
     dtype = torch.bfloat16
@@ -270,10 +281,7 @@ def benchmark_serving(device: str, tiny: bool, rows: list[dict]) -> None:
             contenders = {
                 "triton": lambda q, k, v, _, length=length: attnperf.attention_with_kvcache(
                     q, k, v, length, backend="triton"),
-                # SDPA with the GQA group packed as rows: (B, kv heads, group, E)
-                "sdpa": lambda q, k, v, _: F.scaled_dot_product_attention(
-                    q.reshape(q.shape[0], kv_heads, -1, head_dim), k.transpose(1, 2),
-                    v.transpose(1, 2)),
+                "sdpa": lambda q, k, v, _: sdpa_decode(q, k, v),
             }  # fmt: skip
             timings = {name: measure(fn, q, *cache, False, "forward", None, device)
                        for name, fn in contenders.items()}  # fmt: skip
@@ -473,8 +481,6 @@ def call_cases(device: str, tiny: bool) -> dict:
     step_q = torch.randn(1, 1, q_heads, e, device=device, dtype=torch.bfloat16)
     cache = [torch.randn(1, cached, kv_heads, e, device=device, dtype=torch.bfloat16)
              for _ in range(2)]  # fmt: skip
-    # SDPA with the GQA group packed as rows: (1, kv heads, group, E) against (1, kv heads, S, E)
-    packed = [step_q.view(1, kv_heads, q_heads // kv_heads, e), *(t.transpose(1, 2) for t in cache)]
     lq, lk = (torch.randn(1, steps, 2, 16 if tiny else 128, device=device) for _ in range(2))
     lv = torch.randn(1, steps, 4, 16 if tiny else 128, device=device)
     g = F.logsigmoid(torch.randn(1, steps, 4, device=device))
@@ -487,7 +493,7 @@ def call_cases(device: str, tiny: bool) -> dict:
         f"decode B=1 S={cached}": {
             "triton": lambda: attnperf.attention_with_kvcache(step_q, *cache, cached,
                                                               backend="triton"),
-            "sdpa": lambda: F.scaled_dot_product_attention(*packed)},
+            "sdpa": lambda: sdpa_decode(step_q, *cache)},
         f"linear gated delta forward T={steps}": {
             "triton": lambda: attnperf.linear_attention(lq, lk, lv, g=g, beta=beta,
                                                         backend="triton")},

@@ -841,8 +841,8 @@ class KVCacheStep:
     """numba's launcher for the next steps of a KV-cache call (`Backend.kvcache_step`): a
     contiguous fp32 or bf16 cache, one int length for every sequence, no new keys, left
     padding, ALiBi, sinks or int8 scales. What numba_kvcache_forward works out from the
-    call's metadata (the step's kind, the variant, the shapes) is
-    worked out once; a step binds its own tensors and length. In transformers' generate
+    call's metadata (the step's kind, the variant, the shapes) is worked out once; a step
+    binds its own tensors and length. In transformers' generate
     (bf16, 8/2 heads, S = 2048, Intel Xeon) a whole call's checks and conversions cost
     ~2.5x the kernel's time inside the model's step."""
 
@@ -864,15 +864,14 @@ class KVCacheStep:
         the pages and its output are read and written where they lie (`memory_as`; inside a
         model's generate each view cost ~2.5 us, a tenth of the step's Python)."""
         head_major = _is_head_major(k_cache) and _is_head_major(v_cache)
-        kind = self.kind
         k_pages, v_pages = (t if head_major else t.contiguous() for t in (k_cache, v_cache))
-        one_token = self.q_len == 1 and q.is_contiguous() and q.dtype == _ROWS_DTYPE[kind]
+        one_token = self.q_len == 1 and q.is_contiguous() and q.dtype == _ROWS_DTYPE[self.kind]
         batch, heads, q_len, value_dim = self.out_shape
         if one_token:  # (B, 1, Hq, E) is (B, H, group, E) rows, and the output's layouts agree
             rows = memory_as(q, (batch, self.kv_heads, heads // self.kv_heads, q.shape[3]))
             out = empty_output((batch, 1, heads, value_dim), self.out_dtype)
         else:
-            query = query_rows(q.transpose(1, 2), self.kv_heads, kind)  # alive to the return
+            query = query_rows(q.transpose(1, 2), self.kv_heads, self.kind)  # alive to the return
             rows = memory_of(query)
             out = empty_output(self.out_shape, self.out_dtype)
         stats = empty_output((batch, heads, q_len, 2), torch.float32)
@@ -884,7 +883,7 @@ class KVCacheStep:
         else:
             launch_step(
                 rows, _page_memory(k_pages, head_major), _page_memory(v_pages, head_major),
-                head_major, kind, (NO_SCALES, NO_SCALES), self.table,
+                head_major, self.kind, (NO_SCALES, NO_SCALES), self.table,
                 with_sequences(self.variant, table), self.scale,
                 split_count(self.num_splits, batch, cache_seqlens, threads), threads > 1,
                 memory_as(out, self.out_shape), memory_of(stats),

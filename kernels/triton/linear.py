@@ -493,7 +493,8 @@ def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Ten
 
 def _chunk_systems(inputs, q, k, v, g, beta, sequences, chunks, flags) -> tuple:
     """(T, W, U0) of linear_chunk_system_kernel for the delta rule; dummies (never read)
-    for the additive rule."""
+    for the additive rule. The backward solves them again (one parallel pass over q, k, v)
+    rather than keeping them beside the forward's start states."""
     if not flags["DELTA"]:
         return v, v, v
     batch, steps, heads = v.shape[:3]
