@@ -102,7 +102,8 @@ class Backend:
         `inputs` (whose checks found no tensor variant), or None (the default: each call
         runs whole). attnperf.plans keeps it per call metadata and passes it to a fused
         backend's `run` (FusedBackend: forward(inputs) -> (out, stats), its own
-        `forward`'s contract, for a call with that metadata)."""
+        `forward`'s contract, for a call with that metadata; stats may be None where the
+        metadata reads none: no gradient to come, no LSE asked)."""
         return None
 
     def run_kvcache(self, inputs: KVCacheInputs) -> tuple[Tensor, Tensor | None]:

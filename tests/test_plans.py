@@ -1,6 +1,7 @@
 """Call plans: a repeated call skips its checks and choice, and only where they would pass."""
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import attnperf
 from attnperf import api, cpu_table, dispatch, plans
 from attnperf.inputs import prepare
-from attnperf.kernels.numba import attention
+from attnperf.kernels.numba import attention, launch
 
 
 @pytest.fixture(autouse=True)
@@ -335,3 +336,36 @@ def test_numba_keeps_no_forward_for_tensor_variants():
     sinks = prepare(q, k, v, sinks=torch.zeros(2))
     assert attention.numba_forward_for(masked) is None
     assert attention.numba_forward_for(sinks) is None
+
+
+def test_a_numba_plans_forward_keeps_stats_only_for_calls_that_read_them():
+    """Without a gradient to come or an LSE asked, numba's kept forward writes its stats to
+    a thread's kept memory and returns none; with either, its stats are the call's own: on
+    the plan's forward, the LSE and the gradients through the stats are SDPA's."""
+    q, k, v = qkv(1, 2, 16, 8)
+    inference = attention.numba_forward_for(prepare(q, k, v))
+    out, stats = inference(prepare(q, k, v))
+    assert stats is None
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    with_lse = prepare(q, k, v, return_lse=True)
+    assert attention.numba_forward_for(with_lse)(with_lse)[1] is not None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert attention.numba_forward_for(prepare(*leaves))(prepare(*leaves))[1] is not None
+    with pytest.MonkeyPatch.context() as patch:  # stats too large to keep: allocated
+        patch.setattr(launch, "SCRATCH_MAX_BYTES", 0)
+        patch.setattr(launch, "_UNREAD", threading.local())
+        out, stats = inference(prepare(q, k, v))
+        assert stats is not None
+        torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    peers = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*peers).sum().backward()
+    expected_lse = torch.logsumexp((q @ k.transpose(-1, -2)) * 8**-0.5, -1)
+    for _ in range(2):  # the second call runs on the plan's forward
+        attnperf.attention(q, k, v, backend="numba")  # an inference call between
+        _, lse = attnperf.attention(q, k, v, backend="numba", return_lse=True)
+        torch.testing.assert_close(lse, expected_lse, atol=1e-5, rtol=1e-5)
+        for t in leaves:
+            t.grad = None
+        attnperf.attention(*leaves, backend="numba").sum().backward()
+        for ours, peer in zip(leaves, peers, strict=True):
+            torch.testing.assert_close(ours.grad, peer.grad, atol=1e-5, rtol=1e-5)

@@ -56,6 +56,7 @@ from attnperf.kernels.numba.launch import (
     run_parallel,
     scratch,
     strided_memory,
+    unread_output,
     zero_memory,
 )
 from attnperf.kernels.numba.microkernels import (
@@ -1529,10 +1530,13 @@ class DenseForward:
     out and the numpy views it made cost a call ~50 us against its kernel's ~30.
 
     forward(inputs) -> (out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L,
-    2) fp32: each row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
+    2) fp32: each row's base-2 max and sum, 0 and 0 for a row that sees no key); stats None
+    where made with keep_stats=False (`numba_forward_for`: for calls that read none), unless
+    too large to keep (`unread_output`)."""
 
-    def __init__(self, inputs: AttentionInputs):
+    def __init__(self, inputs: AttentionInputs, keep_stats: bool = True):
         self.kind = kind = forward_kind(inputs)
+        self.keep_stats = keep_stats
         self.dtype, self.value_dim, self.scale = inputs.dtype, inputs.value_dim, inputs.scale
         # The bf16 tiles take E in pairs: an odd E runs on a zero column more (`bf16_operand`).
         head_dim = inputs.head_dim + (kind == BF16 and inputs.head_dim % 2)
@@ -1581,13 +1585,16 @@ class DenseForward:
         # bf16 calls on our tiles write their output rounded (the kernel's last pass).
         out_dtype = torch.bfloat16 if self.kind == BF16 else torch.float32
         out = empty_output(self.out_shape, out_dtype)
-        stats = empty_output((*self.out_shape[:3], 2), torch.float32)
+        stats_shape = (*self.out_shape[:3], 2)
+        unread = None if self.keep_stats else unread_output(stats_shape)
+        stats = empty_output(stats_shape, torch.float32) if unread is None else None
         if self.zero:
             zero_memory(out)
-            zero_memory(stats)
+            if stats is not None:
+                zero_memory(stats)
         if self.kernel is not None:
             memory = (strided_memory(q), strided_memory(k), strided_memory(v), memory_of(out),
-                      memory_of(stats))  # fmt: skip
+                      unread or memory_of(stats))  # fmt: skip
             workspace = () if self.workspace is None else (scratch(*self.workspace),)
             args = (memory, *workspace, self.variant, self.scale, *self.blocks)
             if self.parallel:
@@ -1608,11 +1615,14 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
 def numba_forward_for(inputs: AttentionInputs) -> DenseForward | None:
     """numba's `Backend.forward_for`: the forward for calls with `inputs`' metadata, where
     no variant is a tensor (a mask, ALiBi slopes, a block layout or sinks: the kernel's
-    variant holds their values), else None."""
+    variant holds their values), else None. Its calls' metadata fixes whether they read the
+    stats (a gradient to come, the LSE asked): where not, it returns None for them."""
     variant = inputs.variant
     tensors = (inputs.attn_mask, variant.sequences, variant.alibi_slopes, variant.block_mask,
                variant.sinks)  # fmt: skip
-    return DenseForward(inputs) if all(t is None for t in tensors) else None
+    if any(t is not None for t in tensors):
+        return None
+    return DenseForward(inputs, keep_stats=inputs.needs_grad or variant.return_lse)
 
 
 def query_tiles(inputs: AttentionInputs, variant: tuple, block_m: int) -> int:

@@ -134,6 +134,25 @@ def empty_output(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return tensor
 
 
+# A tensor per thread for what a kernel writes and no caller reads (`unread_output`).
+_UNREAD = threading.local()
+
+
+def unread_output(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...], np.ndarray] | None:
+    """`memory_of` an fp32 tensor of `shape` that this thread keeps between calls, for a
+    kernel's output that nothing reads (a forward's stats where no gradient or LSE follows:
+    a tensor allocated for them cost a short call ~1.5 us); its values are undefined. None
+    over SCRATCH_MAX_BYTES, where the caller allocates one as for an output it reads."""
+    kept = getattr(_UNREAD, "memory", None)
+    if kept is not None and kept[1] == shape:
+        return kept
+    if math.prod(shape) * 4 > SCRATCH_MAX_BYTES:
+        return None
+    _UNREAD.tensor = torch.empty(shape, dtype=torch.float32)
+    _UNREAD.memory = memory_of(_UNREAD.tensor)
+    return _UNREAD.memory
+
+
 def zero_memory(tensor: Tensor) -> None:
     """Zero a C-contiguous tensor's memory by memset (see `float32_array` on why not a
     torch op)."""
