@@ -31,6 +31,7 @@ on AMX (S^T, the softmax down the keys with P^T rounded to bf16, O^T).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -180,6 +181,24 @@ def bits(tensor):
     return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
+def aligned_zeros(shape, dtype=np.float32):
+    """Zeros starting on a 64-byte line, as the kernels' own buffers do (`jit.carve`,
+    `launch.scratch`; torch's tensors too): numpy's own arrays of 16 KiB and more started
+    16 bytes past one (glibc, Intel Xeon), and a micro-kernel whose B vectors straddle two
+    lines ran at 67-78% of the FMA peak against 86-90% on lines (one thread, E = 64)."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.zeros(size + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip : skip + size].view(dtype).reshape(shape)
+
+
+def aligned_copy(array):
+    """A copy of `array` starting on a 64-byte line (`aligned_zeros`)."""
+    copy = aligned_zeros(array.shape, array.dtype)
+    copy[...] = array
+    return copy
+
+
 def products(dim, rounds):
     """(name, dtype, FLOPs, ours s, torch.mm s) per product."""
     gen = torch.Generator().manual_seed(0)
@@ -187,8 +206,8 @@ def products(dim, rounds):
                   ((ROWS, dim), (KEYS, dim), (KEYS, dim), (ROWS, KEYS)))  # fmt: skip
     flops = 2 * ROWS * KEYS * dim
     reps = max(1, int(2e9 / flops))
-    scores, acc = np.zeros((ROWS, KEYS), np.float32), np.zeros((ROWS, dim), np.float32)
-    panels = np.empty((KEYS // 16, dim, 16), np.float32)
+    scores, acc = aligned_zeros((ROWS, KEYS)), aligned_zeros((ROWS, dim))
+    panels = aligned_zeros((KEYS // 16, dim, 16))
     pack_key_panels(k.numpy(), panels)
     k_view = (panels, 0, 16, dim * 16)
     rows = []
@@ -208,7 +227,7 @@ def products(dim, rounds):
     dq = median_seconds(lambda n: repeat_gemm(n, p.numpy(), k.numpy(), acc, False, False), reps,
                         rounds)  # fmt: skip
     rows.append(("dS K (gemm_fp32)", "fp32", flops, dq, torch_mm(p, k)))
-    dk = np.zeros((KEYS, dim), np.float32)
+    dk = aligned_zeros((KEYS, dim))
     dkt = median_seconds(lambda n: repeat_gemm(n, p.numpy(), q.numpy(), dk, True, False), reps,
                          rounds)  # fmt: skip
     rows.append(("dS^T Q (gemm_fp32)", "fp32", flops, dkt, torch_mm(p.T, q)))
@@ -225,20 +244,20 @@ def products(dim, rounds):
     rows.append(("O^T += V^T P^T (transposed)", "fp32", flops, pv_t, torch_mm(p, v)))
 
     q16, k16, v16, p16 = (t.bfloat16() for t in (q, k, v, p))
-    panels16 = np.empty((KEYS // 16, dim // 2, 32), np.uint16)
+    panels16 = aligned_zeros((KEYS // 16, dim // 2, 32), np.uint16)
     pack_key_panels(bits(k16), panels16)
     qk16 = ours(dim // 2, (bits(q16), 0, dim, 1), (panels16, 0, 32, dim * 16),
                 (scores, 0, KEYS), KEYS)  # fmt: skip
     rows.append(("QK^T", "bf16", flops, qk16, torch_mm(q16, k16.T)))
-    v_pairs = np.empty((KEYS // 2, 2 * dim), np.uint16)
+    v_pairs = aligned_zeros((KEYS // 2, 2 * dim), np.uint16)
     pack_vnni(bits(v16), v_pairs)
     pv16 = ours(KEYS // 2, (bits(p16), 0, KEYS, 1), (v_pairs, 0, 2 * dim, 32), (acc, 0, dim), dim)
     rows.append(("PV", "bf16", flops, pv16, torch_mm(p16, v16)))
     # The backward's products over query rows, transposed: dV^T (E, 512) += dO^T P, the
     # rows of P in pairs (dK^T += Q^T dS likewise).
-    q_t, p_pairs = bits(q16.T), np.empty((ROWS // 2, 2 * KEYS), np.uint16)
+    q_t, p_pairs = bits(q16.T), aligned_zeros((ROWS // 2, 2 * KEYS), np.uint16)
     pack_vnni(bits(p16), p_pairs)
-    dv_t = np.zeros((dim, KEYS), np.float32)
+    dv_t = aligned_zeros((dim, KEYS))
     views = ((q_t, 0, ROWS, 1), (p_pairs, 0, 2 * KEYS, 32), (dv_t, 0, KEYS))
     dvt16 = median_seconds(lambda n: repeat_product(n, ROWS // 2, *views, dim, KEYS), reps, rounds)
     rows.append(("dO^T P (E x 512, rows paired)", "bf16", flops, dvt16, torch_mm(q16.T, p16)))
@@ -248,7 +267,7 @@ def products(dim, rounds):
     # scores transposed: S^T = K Q^T (keys' rows as they lie, Q^T in panels of 16 rows),
     # O^T += V^T P^T (V^T packed, P^T in pairs).
     q_t, v_t, p_t = amx_forward_operands(q16, v16, p16)
-    scores_t, acc_t = np.zeros((KEYS, ROWS), np.float32), np.zeros((dim, ROWS), np.float32)
+    scores_t, acc_t = aligned_zeros((KEYS, ROWS)), aligned_zeros((dim, ROWS))
     qk_args, pv_args = amx_forward_views(bits(k16), q_t, v_t, p_t, scores_t, acc_t)
     qk_amx = median_seconds(repeated(repeat_amx, *qk_args), reps, rounds)
     rows.append(("S^T = K Q^T (AMX tiles)", "amx", flops, qk_amx, torch_mm(q16, k16.T)))
@@ -262,10 +281,10 @@ def fp32_transposed_views(q, k, v, p):
     P^T as `attention.fp32_query_tile` calls them; p (ROWS, KEYS) stands for P, its
     transpose for P^T."""
     dim = q.shape[1]
-    q_t = np.empty((ROWS // 16, dim, 16), np.float32)
+    q_t = aligned_zeros((ROWS // 16, dim, 16))
     pack_key_panels(q, q_t)
-    scores_t = np.zeros((KEYS, ROWS), np.float32)
-    p_t, acc_t = np.ascontiguousarray(p.T), np.zeros((dim, ROWS), np.float32)
+    scores_t = aligned_zeros((KEYS, ROWS))
+    p_t, acc_t = aligned_copy(p.T), aligned_zeros((dim, ROWS))
     s_t_args = (dim, (k, 0, dim, 1), (q_t, 0, 16, dim * 16), (scores_t, 0, ROWS), KEYS, ROWS)
     o_t_args = (KEYS, (v, 0, 1, dim), (p_t, 0, ROWS, 16), (acc_t, 0, ROWS), dim, ROWS)
     return s_t_args, o_t_args
@@ -275,12 +294,12 @@ def amx_forward_operands(q16, v16, p16):
     """(Q^T in panels of 16 query rows, V^T, P^T in pairs of keys) as bf16 bits: the AMX
     forward's B and A operands."""
     dim = q16.shape[1]
-    q_t = np.empty((ROWS // 16, dim // 2, 32), np.uint16)
+    q_t = aligned_zeros((ROWS // 16, dim // 2, 32), np.uint16)
     pack_key_panels(bits(q16), q_t)
-    v_t = np.zeros((dim, KEYS + 32), np.uint16)
-    transpose_bf16(bits(v16), v_t, np.empty((dim // 2, 2 * KEYS), np.uint16))
+    v_t = aligned_zeros((dim, KEYS + 32), np.uint16)
+    transpose_bf16(bits(v16), v_t, aligned_zeros((dim // 2, 2 * KEYS), np.uint16))
     p_t = bits(p16).reshape(ROWS, KEYS // 2, 2).transpose(1, 0, 2).reshape(KEYS // 2, 2 * ROWS)
-    return q_t, v_t, np.ascontiguousarray(p_t)
+    return q_t, v_t, aligned_copy(p_t)
 
 
 def amx_forward_views(k_bits, q_t, v_t, p_t, scores_t, acc_t):
@@ -303,8 +322,8 @@ def decode_products(dim, rounds):
                    (DECODE_ROWS, DECODE_KEYS)))  # fmt: skip
     flops = 2 * DECODE_ROWS * DECODE_KEYS * dim
     reps = max(1, int(5e8 / flops))
-    scores = np.zeros((DECODE_ROWS, DECODE_KEYS), np.float32)
-    acc = np.zeros((DECODE_ROWS, dim), np.float32)
+    scores = aligned_zeros((DECODE_ROWS, DECODE_KEYS))
+    acc = aligned_zeros((DECODE_ROWS, dim))
     rows = []
 
     def torch_mm(a, b):
@@ -329,7 +348,7 @@ def decode_products(dim, rounds):
     q_pairs = amx_query_pairs(bits(q.bfloat16())[None], 16)
     st, k_tail, p_tile, v_pairs = amx_buffers(AMX, 1, 16, DECODE_KEYS, dim, dim)
     p_tile[:DECODE_ROWS] = p16
-    acc16 = np.zeros((16, dim), np.float32)
+    acc16 = aligned_zeros((16, dim))
     score_args = (q_pairs, (k16, 0, 0, dim), DECODE_KEYS, k_tail, st)
     qk = median_seconds(repeated(repeat_amx_key_scores, *score_args), reps, rounds)
     rows.append((f"decode S^T = K Q^T ({DECODE_ROWS} rows, AMX tiles)", "amx", flops, qk,
@@ -345,15 +364,15 @@ def forward_tile(dim, rounds):
     """Seconds of the fp32 forward's tile steps alone: {"QK^T", "online softmax", "PV"}."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(rows, dim, generator=gen).numpy() for rows in (ROWS, KEYS, KEYS))
-    panels = np.empty((KEYS // 16, dim, 16), np.float32)
+    panels = aligned_zeros((KEYS // 16, dim, 16))
     pack_key_panels(k, panels)
-    scores, acc = np.zeros((ROWS, KEYS), np.float32), np.zeros((ROWS, dim), np.float32)
+    scores, acc = aligned_zeros((ROWS, KEYS)), aligned_zeros((ROWS, dim))
     scale2 = np.float32(dim**-0.5 * LOG2E)
     views = ((q, 0, dim, 1), (panels, 0, 16, dim * 16), (scores, 0, KEYS))
     repeat_product(1, dim, *views, ROWS, KEYS)  # scores in base 2, scaled once
     scores *= scale2
     start = scores.max(1) - np.float32(0.5)
-    s, stats = np.empty_like(scores), [np.zeros(ROWS, np.float32) for _ in range(3)]
+    s, stats = aligned_zeros(scores.shape), [np.zeros(ROWS, np.float32) for _ in range(3)]
     reps = max(1, int(1e9 / (4 * ROWS * KEYS * dim)))
     qk = median_seconds(lambda n: repeat_product(n, dim, *views, ROWS, KEYS), reps, rounds)
     softmax = median_seconds(
@@ -371,14 +390,14 @@ def fp32_transposed_tile(dim, rounds):
     pass, P^T written in place)."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(rows, dim, generator=gen).numpy() for rows in (ROWS, KEYS, KEYS))
-    s_t_args, o_t_args = fp32_transposed_views(q, k, v, np.zeros((ROWS, KEYS), np.float32))
+    s_t_args, o_t_args = fp32_transposed_views(q, k, v, aligned_zeros((ROWS, KEYS)))
     scores_t = s_t_args[3][0]
     reps = max(1, int(1e9 / (4 * ROWS * KEYS * dim)))
     qk = median_seconds(repeated(repeat_product, *s_t_args), reps, rounds)
     scores_t[:] = 0  # the repetitions added up: the scores of one product, unscaled
     repeat_product(1, *s_t_args)
     factor = np.float32(dim**-0.5 * LOG2E)
-    s_t, acc_t = np.empty_like(scores_t), np.zeros((dim, ROWS), np.float32)
+    s_t, acc_t = aligned_zeros(scores_t.shape), aligned_zeros((dim, ROWS))
     stats = [np.zeros(ROWS, np.float32) for _ in range(3)]
     softmax = median_seconds(
         repeated(repeat_fp32_transposed_softmax, scores_t, factor, s_t, acc_t, *stats), reps,
@@ -397,7 +416,7 @@ def amx_forward_tile(dim, rounds):
     q16, k16, v16 = (torch.randn(rows, dim, generator=gen).bfloat16()
                      for rows in (ROWS, KEYS, KEYS))  # fmt: skip
     q_t, v_t, p_t = amx_forward_operands(q16, v16, torch.zeros(ROWS, KEYS).bfloat16())
-    scores_t, acc_t = np.zeros((KEYS, ROWS), np.float32), np.zeros((dim, ROWS), np.float32)
+    scores_t, acc_t = aligned_zeros((KEYS, ROWS)), aligned_zeros((dim, ROWS))
     qk_args, pv_args = amx_forward_views(bits(k16), q_t, v_t, p_t, scores_t, acc_t)
     reps = max(1, int(1e9 / (4 * ROWS * KEYS * dim)))
     qk = median_seconds(repeated(repeat_amx, *qk_args), reps, rounds)
