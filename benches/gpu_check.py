@@ -269,6 +269,10 @@ def sdpa_decode(q, k_cache, v_cache):
     )  # fmt: skip
 
 
+# num_splits tried beside the default at the serving stage's longest cache.
+SPLIT_SWEEP = (8, 16, 32, 64)
+
+
 def benchmark_serving(device: str, tiny: bool, rows: list[dict]) -> None:
     """Decode steps over a KV cache and a packed batch of variable lengths, bf16."""
     dtype = torch.bfloat16
@@ -283,14 +287,23 @@ def benchmark_serving(device: str, tiny: bool, rows: list[dict]) -> None:
                     q, k, v, length, backend="triton"),
                 "sdpa": lambda q, k, v, _: sdpa_decode(q, k, v),
             }  # fmt: skip
+            # The longest cache also with more splits than the default's (enough programs
+            # to fill the SMs twice: 320 at B = 8, which read at half SDPA's rate).
+            for splits in SPLIT_SWEEP if length == (64 if tiny else 65536) else ():
+                contenders[f"triton-splits{splits}"] = (
+                    lambda q, k, v, _, length=length, splits=splits:
+                    attnperf.attention_with_kvcache(q, k, v, length, num_splits=splits,
+                                                    backend="triton")
+                )  # fmt: skip
             timings = {name: measure(fn, q, *cache, False, "forward", None, device)
                        for name, fn in contenders.items()}  # fmt: skip
             read = 2 * cache[0].numel() * cache[0].element_size()
             label = f"bf16-decode-B{batch}"
             report(rows, label, head_dim, length, False, "forward", timings,
                    4 * batch * heads * length * head_dim)  # fmt: skip
-            if timings["triton"]:
-                print(f"  triton reads K and V at {read / timings['triton'] / 1e6:.0f} GB/s")
+            for name, ms in timings.items():
+                if name.startswith("triton") and ms:
+                    print(f"  {name} reads K and V at {read / ms / 1e6:.0f} GB/s")
     count, shortest, longest = (3, 16, 64) if tiny else (16, 512, 8192)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(shortest, longest + 1, (count,), generator=gen)

@@ -167,11 +167,11 @@ def test_gpu_check_script_runs_end_to_end_under_the_interpreter(tmp_path):
     header, *rows = csv_path.read_text().splitlines()
     assert header.startswith("dtype,head_dim,L,causal,pass,kernel,ms,tflops")
     linear_peers = 2 if importlib.util.find_spec("transformers") else 1  # fla: GPU only
-    assert len(rows) == 2 * 2 * 1 * 2 * 2 + 10 + 2 + 6 + (linear_peers + 1) * 2  # dtypes x
+    assert len(rows) == 2 * 2 * 1 * 2 * 2 + 10 + 6 + 6 + (linear_peers + 1) * 2  # dtypes x
     # head dims x lengths x causal x passes; the variant rows: (triton, flex, sdpa_mask) +
-    # (triton, flex) x passes; decode (triton, sdpa); varlen (triton, sdpa and triton padded) x
-    # passes; linear attention: gated delta (triton, transformers) and simple GLA (triton) x
-    # passes
+    # (triton, flex) x passes; decode (triton, sdpa, triton at 4 split counts); varlen
+    # (triton, sdpa and triton padded) x passes; linear attention: gated delta (triton,
+    # transformers) and simple GLA (triton) x passes
 
 
 def test_a_gqa_sweep_runs_every_backend_that_serves_it():
