@@ -45,7 +45,7 @@ from attnperf.kernels.numba.attention import (
     transposed_softmax_to_bf16,
 )
 from attnperf.kernels.numba.fastmath import LOG2E
-from attnperf.kernels.numba.jit import FASTMATH, njit
+from attnperf.kernels.numba.jit import FASTMATH, aligned_empty, njit
 from attnperf.kernels.numba.kvcache import (
     AMX,
     amx_buffers,
@@ -182,14 +182,14 @@ def bits(tensor):
 
 
 def aligned_zeros(shape, dtype=np.float32):
-    """Zeros starting on a 64-byte line, as the kernels' own buffers do (`jit.carve`,
-    `launch.scratch`; torch's tensors too): numpy's own arrays of 16 KiB and more started
-    16 bytes past one (glibc, Intel Xeon), and a micro-kernel whose B vectors straddle two
-    lines ran at 67-78% of the FMA peak against 86-90% on lines (one thread, E = 64)."""
-    size = math.prod(shape) * np.dtype(dtype).itemsize
-    raw = np.zeros(size + 64, np.uint8)
-    skip = -raw.ctypes.data % 64
-    return raw[skip : skip + size].view(dtype).reshape(shape)
+    """Zeros starting on a 64-byte line (`jit.aligned_empty`), as the kernels' own buffers
+    and torch's tensors do: numpy's own arrays of 16 KiB and more started 16 bytes past one
+    (glibc, Intel Xeon), and a micro-kernel whose B vectors straddle two lines ran at 67-78%
+    of the FMA peak against 86-90% on lines (one thread, E = 64)."""
+    rows = math.prod(shape[:-1])
+    array = aligned_empty(rows, shape[-1], np.empty(0, dtype)).reshape(shape)
+    array[...] = 0
+    return array
 
 
 def aligned_copy(array):

@@ -55,8 +55,8 @@ from attnperf.kernels.numba.launch import (
     memory_of,
     run_parallel,
     scratch,
+    stats_output,
     strided_memory,
-    unread_output,
     zero_memory,
 )
 from attnperf.kernels.numba.microkernels import (
@@ -1532,7 +1532,7 @@ class DenseForward:
     forward(inputs) -> (out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L,
     2) fp32: each row's base-2 max and sum, 0 and 0 for a row that sees no key); stats None
     where made with keep_stats=False (`numba_forward_for`: for calls that read none), unless
-    too large to keep (`unread_output`)."""
+    too large to keep (`stats_output`)."""
 
     def __init__(self, inputs: AttentionInputs, keep_stats: bool = True):
         self.kind = kind = forward_kind(inputs)
@@ -1585,16 +1585,14 @@ class DenseForward:
         # bf16 calls on our tiles write their output rounded (the kernel's last pass).
         out_dtype = torch.bfloat16 if self.kind == BF16 else torch.float32
         out = empty_output(self.out_shape, out_dtype)
-        stats_shape = (*self.out_shape[:3], 2)
-        unread = None if self.keep_stats else unread_output(stats_shape)
-        stats = empty_output(stats_shape, torch.float32) if unread is None else None
+        stats, stats_memory = stats_output((*self.out_shape[:3], 2), self.keep_stats)
         if self.zero:
             zero_memory(out)
             if stats is not None:
                 zero_memory(stats)
         if self.kernel is not None:
             memory = (strided_memory(q), strided_memory(k), strided_memory(v), memory_of(out),
-                      unread or memory_of(stats))  # fmt: skip
+                      stats_memory)  # fmt: skip
             workspace = () if self.workspace is None else (scratch(*self.workspace),)
             args = (memory, *workspace, self.variant, self.scale, *self.blocks)
             if self.parallel:

@@ -46,7 +46,7 @@ from attnperf.kernels.numba.launch import (
     memory_as,
     memory_of,
     run_parallel,
-    unread_output,
+    stats_output,
 )
 from attnperf.kernels.numba.microkernels import (
     BF16,
@@ -875,9 +875,7 @@ class KVCacheStep:
             query = query_rows(q.transpose(1, 2), self.kv_heads, self.kind)  # alive to the return
             rows = memory_of(query)
             out = empty_output(self.out_shape, self.out_dtype)
-        stats_shape = (batch, heads, q_len, 2)
-        unread = None if self.return_lse else unread_output(stats_shape)
-        stats = empty_output(stats_shape, torch.float32) if unread is None else None
+        stats, stats_memory = stats_output((batch, heads, q_len, 2), self.return_lse)
         table = Sequences.dense_table(batch, q_len, cache_seqlens, "bottom_right")
         threads = step_threads(batch * cache_seqlens * self.key_bytes)
         if q.numel() == 0:  # no rows, or E = 0: the merge, which writes every row, never runs
@@ -890,7 +888,7 @@ class KVCacheStep:
                 head_major, self.kind, (NO_SCALES, NO_SCALES), self.table,
                 with_sequences(self.variant, table), self.scale,
                 split_count(self.num_splits, batch, cache_seqlens, threads), threads > 1,
-                memory_as(out, self.out_shape), unread or memory_of(stats),
+                memory_as(out, self.out_shape), stats_memory,
             )  # fmt: skip
         out = out if one_token else out.transpose(1, 2)
         return (out, lse_from_stats(stats)) if self.return_lse else out

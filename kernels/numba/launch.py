@@ -134,23 +134,25 @@ def empty_output(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return tensor
 
 
-# A tensor per thread for what a kernel writes and no caller reads (`unread_output`).
+# The stats tensor each thread keeps for calls that read none (`stats_output`).
 _UNREAD = threading.local()
 
 
-def unread_output(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...], np.ndarray] | None:
-    """`memory_of` an fp32 tensor of `shape` that this thread keeps between calls, for a
-    kernel's output that nothing reads (a forward's stats where no gradient or LSE follows:
-    a tensor allocated for them cost a short call ~1.5 us); its values are undefined. None
-    over SCRATCH_MAX_BYTES, where the caller allocates one as for an output it reads."""
-    kept = getattr(_UNREAD, "memory", None)
-    if kept is not None and kept[1] == shape:
-        return kept
-    if math.prod(shape) * 4 > SCRATCH_MAX_BYTES:
-        return None
-    _UNREAD.tensor = torch.empty(shape, dtype=torch.float32)
-    _UNREAD.memory = memory_of(_UNREAD.tensor)
-    return _UNREAD.memory
+def stats_output(shape: tuple[int, ...], read: bool) -> tuple[Tensor | None, tuple]:
+    """A kernel's fp32 softmax stats of `shape` and their `memory_of`: a new tensor where the
+    caller reads them; where nothing does (no gradient or LSE to follow), None and the memory
+    of a tensor this thread keeps between calls, its values undefined (a tensor allocated
+    for them cost a short call ~1.5 us). Kept up to SCRATCH_MAX_BYTES, allocated past it."""
+    if not read:
+        kept = getattr(_UNREAD, "memory", None)
+        if kept is not None and kept[1] == shape:
+            return None, kept
+        if math.prod(shape) * 4 <= SCRATCH_MAX_BYTES:
+            _UNREAD.tensor = torch.empty(shape, dtype=torch.float32)
+            _UNREAD.memory = memory_of(_UNREAD.tensor)
+            return None, _UNREAD.memory
+    stats = empty_output(shape, torch.float32)
+    return stats, memory_of(stats)
 
 
 def zero_memory(tensor: Tensor) -> None:

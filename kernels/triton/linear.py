@@ -287,7 +287,7 @@ def chunk_update(T, W, U0, S, row, valid, values, rows_v, hv, heads, head_dim, o
 
 @jit
 def linear_chunk_kernel(
-    Q, K, V, G, Beta, H0, Out, Final, Saved, T, W, U0, Sequences,
+    Q, K, V, G, H0, Out, Final, Saved, T, W, U0, Sequences,
     scale, heads, key_heads, steps, head_dim, value_dim, chunks,
     HAS_GATE: tl.constexpr, DELTA: tl.constexpr, HAS_H0: tl.constexpr, SAVE: tl.constexpr,
     CHUNK_STEPS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -483,7 +483,7 @@ def _run_forward(inputs: LinearAttentionInputs, save: bool) -> tuple[Tensor, Ten
         )  # fmt: skip
         return out, final, saved
     linear_chunk_kernel[(blocks, inputs.count * heads)](
-        q, k, v, g, beta, _fp32(inputs.initial_state, v), out, final, saved,
+        q, k, v, g, _fp32(inputs.initial_state, v), out, final, saved,
         *_chunk_systems(inputs, q, k, v, g, beta, sequences, chunks, flags), sequences,
         *common, chunks, HAS_H0=inputs.initial_state is not None, SAVE=save, BK=bk, BV=bv,
         **flags,
