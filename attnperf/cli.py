@@ -40,6 +40,7 @@ from attnperf.bench.sweep import (
 from attnperf.kernels.numba.jit import MISSING as NUMBA_MISSING
 from attnperf.kernels.numba.microkernels import tile_route
 from attnperf.machine import cpu_description
+from attnperf.testing import initialize_mkl_vml
 
 
 def info_table() -> str:
@@ -76,6 +77,7 @@ def numba_tile_routes() -> list[str]:
 
 def smoke(device: str) -> int:
     """Run one small call on every available backend and compare it with sdpa."""
+    initialize_mkl_vml()
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 128, 64, device=device) for _ in range(3))
     expected = attnperf.attention(q, k, v, is_causal=True, backend="sdpa")

@@ -48,6 +48,19 @@ RELATIVE_FLOOR = {
 }
 
 
+def initialize_mkl_vml() -> None:
+    """Make torch's first call into MKL's vector math (VML) a one-thread call; returns None.
+
+    torch 2.13's CPU `exp` (and `log`, ...) runs MKL's VML, which sets itself up on its
+    first call in a process. When that first call comes from two threads at once (a tensor
+    of 32k elements or more, right after another parallel op such as SDPA, on a busy
+    machine), one thread can run VML's low-accuracy AVX2 kernel (`sExp_L9EP`): float32
+    `torch.exp` off by up to 1.5e-4 relative over that thread's share, and a reference so
+    computed failing the agreement rule at random. Call this once, before the first check.
+    """
+    torch.exp(torch.zeros(16))
+
+
 def same_precision_reference(
     query: Tensor,
     key: Tensor,
