@@ -253,6 +253,32 @@ def test_a_named_backends_plain_steps_run_on_its_step_launcher(binds, dtype, q_l
     assert binds[0] == len(steps) + 2  # the first call with an LSE, the first without
 
 
+def test_planned_steps_on_several_threads_each_read_their_own_lengths():
+    """A kept step launcher rewrites its sequence table in place, a table per thread: four
+    threads stepping at once (on the calling threads: small caches), each through a cache
+    of its own length, each get the whole call's result every time."""
+    q = torch.randn(1, 1, 8, 64)
+    keys, values = (torch.randn(1, 2, 300, 64) for _ in range(2))
+    caches = {n: (keys[:, :, :n].transpose(1, 2), values[:, :, :n].transpose(1, 2))
+              for n in (37, 100, 211, 299)}  # fmt: skip
+    expected = {n: whole_call(q, *cache, n, backend="numba") for n, cache in caches.items()}
+    attnperf.attention_with_kvcache(q, *caches[37], 37, backend="numba")  # keeps the step
+    wrong = []
+
+    def steps(n):
+        for _ in range(100):
+            out = attnperf.attention_with_kvcache(q, *caches[n], n, backend="numba")
+            if not torch.equal(out, expected[n]):
+                wrong.append(n)
+
+    threads = [threading.Thread(target=steps, args=(n,)) for n in caches]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+
+
 def test_a_planned_step_still_checks_its_values(binds):
     q = torch.randn(2, 1, 4, 8)
     k_cache, v_cache = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8)
