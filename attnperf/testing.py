@@ -4,6 +4,7 @@ The rule is FlashAttention's: against a float64 reference, a kernel's max error 
 most twice the error of PyTorch's own computation in the kernel's precision, plus a tiny
 absolute floor for the dtype.
 
+    initialize_mkl_vml()  # once, first: torch 2.13's CPU exp (see its docstring)
     exact = float64_reference(q, k, v, is_causal=True)
     baseline = same_precision_reference(q, k, v, is_causal=True)
     assert_agrees(my_kernel(q, k, v), exact, baseline)
