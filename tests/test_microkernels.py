@@ -419,3 +419,26 @@ def test_peaks_follow_the_target(tmp_path):
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["8", "True", "None"]
+
+
+def test_amx_branches_compile_on_targets_without_amx(tmp_path):
+    """A kernel's AMX branch decided at run time (the bf16 backward's `amx`) compiles on every
+    CPU; where numba's target has no AMX, LLVM has no instruction for it (it aborted the
+    process), so the branch compiles to a trap. Compiled, not run, for an AVX512-BF16 CPU
+    without AMX, in a fresh process: numba reads its target at start-up."""
+    script = (
+        "import numba\n"
+        "from attnperf.kernels.numba.amx import tile_zero\n"
+        "@numba.njit('void(boolean)')\n"
+        "def maybe_zero(amx):\n"
+        "    if amx:\n"
+        "        tile_zero(0)\n"
+        "asm = maybe_zero.inspect_asm(maybe_zero.signatures[0])\n"
+        "print('tilezero' in asm, 'ud2' in asm)\n"
+    )
+    env = {**os.environ, "NUMBA_CPU_NAME": "cooperlake", "NUMBA_CACHE_DIR": str(tmp_path),
+           "NUMBA_CPU_FEATURES": "+avx2,+fma,+avx512f,+avx512bw,+avx512vl,+avx512bf16"}  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["False", "True"]

@@ -55,7 +55,19 @@ def amx_permitted() -> tuple[bool, str]:
 _I8 = ir.IntType(8) if ir is not None else None
 
 
-def _call(builder, name, argument_types, values):
+def _target_has_amx(context) -> bool:
+    """Whether the machine code numba emits may hold AMX's bf16 instructions."""
+    features = getattr(context.codegen(), "_tm_features", "").split(",")
+    return "+amx-tile" in features and "+amx-bf16" in features
+
+
+def _call(context, builder, name, argument_types, values):
+    # A kernel whose AMX branch is decided at run time (the bf16 backward's `amx`) compiles
+    # that branch on every CPU, and LLVM cannot select AMX's instructions for a target
+    # without them (an abort, not an exception). There the branch is never taken (the
+    # dispatch routes to AMX only where numba's target has it), so it compiles to a trap.
+    if not _target_has_amx(context):
+        name, argument_types, values = "llvm.trap", [], []
     function_type = ir.FunctionType(ir.VoidType(), argument_types)
     function = cgutils.get_or_insert_function(builder.module, function_type, name)
     builder.call(function, values)
@@ -80,7 +92,7 @@ def configure_tiles(typingctx, config):
         address = _address(
             context, builder, signature.args[0], args[0], ir.Constant(ir.IntType(64), 0)
         )
-        _call(builder, "llvm.x86.ldtilecfg", [_I8.as_pointer()], [address])
+        _call(context, builder, "llvm.x86.ldtilecfg", [_I8.as_pointer()], [address])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -91,7 +103,7 @@ def release_tiles(typingctx):
     """tilerelease: this thread's tiles back to their initial state."""
 
     def codegen(context, builder, signature, args):
-        _call(builder, "llvm.x86.tilerelease", [], [])
+        _call(context, builder, "llvm.x86.tilerelease", [], [])
         return context.get_dummy_value()
 
     return types.void(), codegen
@@ -108,8 +120,8 @@ def _memory_op(name):
         def codegen(context, builder, signature, args):
             address = _address(context, builder, signature.args[1], args[1], args[2])
             stride = builder.mul(args[3], ir.Constant(args[3].type, itemsize))
-            pointer = _I8.as_pointer()
-            _call(builder, name, [_I8, pointer, ir.IntType(64)], [_tile(number), address, stride])
+            argument_types = [_I8, _I8.as_pointer(), ir.IntType(64)]
+            _call(context, builder, name, argument_types, [_tile(number), address, stride])
             return context.get_dummy_value()
 
         return types.void(tile, array, types.intp, types.intp), codegen
@@ -133,7 +145,7 @@ def tile_zero(typingctx, tile):
     number = tile.literal_value
 
     def codegen(context, builder, signature, args):
-        _call(builder, "llvm.x86.tilezero", [_I8], [_tile(number)])
+        _call(context, builder, "llvm.x86.tilezero", [_I8], [_tile(number)])
         return context.get_dummy_value()
 
     return types.void(tile), codegen
@@ -148,7 +160,7 @@ def tile_dot(typingctx, c, a, b):
     numbers = [tile.literal_value for tile in (c, a, b)]
 
     def codegen(context, builder, signature, args):
-        _call(builder, "llvm.x86.tdpbf16ps", [_I8] * 3, [_tile(n) for n in numbers])
+        _call(context, builder, "llvm.x86.tdpbf16ps", [_I8] * 3, [_tile(n) for n in numbers])
         return context.get_dummy_value()
 
     return types.void(c, a, b), codegen
