@@ -15,21 +15,30 @@ ISA_FLAGS = (
 
 
 @functools.cache
-def _cpuinfo() -> tuple[str, frozenset[str]]:
-    """(model name, flags) from /proc/cpuinfo; the platform's word and no flags elsewhere."""
-    model, flags = platform.processor() or platform.machine(), frozenset()
+def _cpuinfo() -> tuple[str, str, frozenset[str]]:
+    """(vendor, model name, flags) from /proc/cpuinfo; elsewhere no vendor ("") and no
+    flags, and the platform's word for the model."""
+    vendor, model, flags = "", platform.processor() or platform.machine(), frozenset()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name":
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() == "model name":
                     model = value.strip()
                 elif key.strip() == "flags":
                     flags = frozenset(value.split())
                     break
     except OSError:
         pass
-    return model, flags
+    return vendor, model, flags
+
+
+def cpu_vendor() -> str:
+    """The CPU's maker: AMD, Intel, or what /proc/cpuinfo's vendor_id says ("" if none)."""
+    vendor = _cpuinfo()[0]
+    return {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(vendor, vendor)
 
 
 def vector_isa(flags: frozenset[str] | set[str]) -> str:
@@ -43,7 +52,7 @@ def vector_isa(flags: frozenset[str] | set[str]) -> str:
 def cpu_description() -> dict:
     """Model, vector ISA, its flags, and the path torch's own CPU kernels take here (which
     ATEN_CPU_CAPABILITY can lower)."""
-    model, flags = _cpuinfo()
+    _, model, flags = _cpuinfo()
     return {
         "cpu_model": model,
         "vector_isa": vector_isa(flags),

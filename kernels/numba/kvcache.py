@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -37,6 +38,7 @@ from attnperf.kernels.numba.jit import (
     array_at,
     njit,
     prange,
+    prefetch_to_l2,
     split_index,
     unowned_members,
     wide_vectors,
@@ -70,6 +72,7 @@ from attnperf.kernels.numba.variant import (
     with_sequences,
     with_sink,
 )
+from attnperf.machine import cpu_vendor
 from attnperf.serving import KVCacheInputs
 
 
@@ -280,36 +283,58 @@ def page_offsets(pages, head_major, page, first_row):
 
 @njit(fastmath=FASTMATH)
 def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, cols, variant, b,
-                      q_len, j0, structure, scale2, s, acc, row_max, row_sum,
-                      shift):  # fmt: skip
+                      q_len, j0, structure, scale2, s, acc, row_max, row_sum, shift,
+                      prefetch):  # fmt: skip
     """One key tile of every kv head on the micro-kernels, the group's query rows (q_rows
     (Hk, rows, E), fp32, or bf16 bits for a bf16 cache) as the rows of each product:
     S = Q K^T by `scores_by_dots` on the keys as they lie, the online softmax, then acc += P V
     with the values read in place (bf16 ones widened in registers, P rounded to bf16 first).
     Both products walk (16-key chunk, head) pairs in the order the page lies in memory
-    (`memory_order`)."""
+    (`memory_order`); on row-major pages, with `prefetch` (keys, 0: none), in blocks of that
+    many keys, each first prefetching its share of the next chunk (`prefetch_next_chunk`)."""
     kv_heads, rows, width = s.shape
     bf16 = k_pages.itemsize == 2  # bf16 bits (fp16 caches come converted to fp32)
     depth = q_rows.shape[2] // 2 if bf16 else q_rows.shape[2]
     k_at, k_head, k_row = page_offsets(k_pages, head_major, page, first_row)
+    step = prefetch if prefetch and not head_major else LANES
     chunks = (cols + LANES - 1) // LANES
     for item in range(chunks * kv_heads):
         c, hk = memory_order(item, chunks, kv_heads, head_major, LANES)
         q_view = (q_rows, hk * rows * q_rows.shape[2], q_rows.shape[2])
-        k_view = (k_pages, k_at + hk * k_head + c * k_row, k_row)
-        s_view = (s, hk * rows * width + c, width)
-        scores_by_dots(depth, scale2, q_view, k_view, s_view, rows, min(LANES, cols - c))
+        keys = min(LANES, cols - c)
+        for t in range(0, keys, step):
+            if step < LANES:
+                prefetch_next_chunk(k_pages, k_at, k_row, kv_heads, c, hk, t, step)
+            k_view = (k_pages, k_at + hk * k_head + (c + t) * k_row, k_row)
+            s_view = (s, hk * rows * width + c + t, width)
+            scores_by_dots(depth, scale2, q_view, k_view, s_view, rows, min(step, keys - t))
     for hk in range(kv_heads):
         tile_softmax(s, hk, q_len, cols, variant, b, j0, structure, acc, row_max, row_sum,
                      shift)  # fmt: skip
         if bf16:
             round_to_bf16(s[hk], rows, cols)
     values = (v_pages, *page_offsets(v_pages, head_major, page, first_row))
-    chunked_values(s, values, head_major, cols, acc)
+    chunked_values(s, values, head_major, cols, acc, prefetch)
+
+
+@njit()
+def prefetch_next_chunk(pages, at, row, kv_heads, c, hk, t, keys):
+    """Into L2: the share of keys t .. t + keys of item (chunk c, head hk) in the next
+    16-key chunk of row-major pages (`at`: head 0's first key of the tile, `row`: elements
+    between keys). The chunk's rows, every head's, are cut into equal runs in memory order,
+    one per block of `keys` of each of the chunk's items: the next chunk is read ahead as
+    one stream while this one is read head by head, rows 2-4 KiB apart, a walk that Zen 4's
+    prefetchers do not follow (a 64k-key step of 32/8 heads read at 27-31% of the read
+    bandwidth without). Asked for in runs: the whole chunk at once (64 KiB) stalled the
+    walk."""
+    width = row // kv_heads  # a head's share of a key's row
+    start = at + (c + LANES) * row + (hk * LANES + t) * width
+    for e in range(0, keys * width, 64 // pages.itemsize):
+        prefetch_to_l2(pages, start + e)
 
 
 @njit(fastmath=FASTMATH)
-def chunked_values(p, values, head_major, cols, acc):
+def chunked_values(p, values, head_major, cols, acc, prefetch):
     """acc[hk, :rows] += P V for every kv head hk, P (Hk, rows, W) in fp32 (a bf16 call's
     rounded to bf16), the values where they lie (values: (pages, offset of head 0's first
     key, between heads, between keys); bf16 ones widened in registers), in (chunk, head)
@@ -318,18 +343,25 @@ def chunked_values(p, values, head_major, cols, acc):
     tile's keys (4 rows, 192-key tiles, bf16, Intel Xeon: 37 us against 68 per 2048 keys of
     2 heads). Otherwise 16-key chunks: more rows' values stay in L1 across the row blocks,
     and row-major pages are read across their heads (a head at a time, a 16k-key step of
-    32/8 heads ran 1.5x slower)."""
+    32/8 heads ran 1.5x slower), with `prefetch` in blocks as `micro_kernel_tile` reads
+    the keys."""
     kv_heads, rows, width = p.shape
     pages, v_at, v_head, v_row = values
     acc_rows, value_dim = acc.shape[1], acc.shape[2]
     span = cols if head_major and rows <= BLOCK_ROWS else LANES
+    step = prefetch if prefetch and not head_major else span
     chunks = (cols + span - 1) // span
     for item in range(chunks * kv_heads):
         c, hk = memory_order(item, chunks, kv_heads, head_major, span)
-        p_view = (p, hk * rows * width + c, width, 1)
-        v_view = (pages, v_at + hk * v_head + c * v_row, v_row, LANES)
         acc_view = (acc, hk * acc_rows * value_dim, value_dim)
-        tile_product(min(span, cols - c), ONE, ONE, p_view, v_view, acc_view, rows, value_dim)
+        keys = min(span, cols - c)
+        for t in range(0, keys, step):
+            if step < span:
+                prefetch_next_chunk(pages, v_at, v_row, kv_heads, c, hk, t, step)
+            p_view = (p, hk * rows * width + c + t, width, 1)
+            v_view = (pages, v_at + hk * v_head + (c + t) * v_row, v_row, LANES)
+            tile_product(min(step, keys - t), ONE, ONE, p_view, v_view, acc_view, rows,
+                         value_dim)  # fmt: skip
 
 
 @njit()
@@ -457,7 +489,7 @@ def amx_tile(q_pairs, k_pages, v_pages, head_major, page, first_row, cols, varia
                                row_sum[hk], shift[hk])  # fmt: skip
     values = (v_pages, *page_offsets(v_pages, head_major, page, first_row))
     if not values_on_amx:
-        chunked_values(s, values, head_major, cols, acc)
+        chunked_values(s, values, head_major, cols, acc, 0)
         return
     pack_value_pairs(values, head_major, cols, heads, v_pairs)
     pair_rows = v_pairs.shape[0] // heads
@@ -507,7 +539,7 @@ def amx_buffers(kind, kv_heads, rows, block_n, head_dim, value_dim):
 @njit(fastmath=FASTMATH)
 def kvcache_split(
     q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant, scale,
-    block_n, kind, partial_out, partial_stats, b, split,
+    block_n, kind, prefetch, partial_out, partial_stats, b, split,
 ):  # fmt: skip
     """Split `split` of sequence b: split-K attention of its query rows over a paged KV cache
     (pages (P, page_size, H, E), or `head_major` (P, H, page_size, E), transformers' layout;
@@ -520,8 +552,8 @@ def kvcache_split(
 
     It walks its keys in tiles, in memory order (a head at a time over (rows, H, E) pages,
     its rows a page apart, defeats the prefetchers): on AMX tiles (kind AMX, see amx_tile),
-    the micro-kernels (kind FP32 or BF16, see micro_kernel_tile), or in per-key loops
-    (LOOPS, see decode_kind).
+    the micro-kernels (kind FP32 or BF16, see micro_kernel_tile; `prefetch` keys a block
+    there, `prefetch_keys`), or in per-key loops (LOOPS, see decode_kind).
     """
     splits, _, q_heads, q_len, value_dim = partial_out.shape
     kv_heads = q_rows.shape[1]
@@ -565,7 +597,7 @@ def kvcache_split(
             if kind != LOOPS:
                 micro_kernel_tile(queries, k_pages, v_pages, head_major, page, first_row, cols,
                                   variant, b, q_len, j0, structure, scale2, s, acc, row_max,
-                                  row_sum, shift)  # fmt: skip
+                                  row_sum, shift, prefetch)  # fmt: skip
                 continue
             if k_scales.shape[0]:
                 quantized_scores(queries, k_pages[page], k_scales[page], first_row, cols, s,
@@ -638,7 +670,8 @@ def kvcache_arrays(memory):
 
 @njit(parallel=True, fastmath=FASTMATH)
 def kvcache_forward_splits(
-    memory, k_scales, v_scales, head_major, block_table, variant, scale, block_n, kind, splits,
+    memory, k_scales, v_scales, head_major, block_table, variant, scale, block_n, kind,
+    prefetch, splits,
 ):  # fmt: skip
     """Every (sequence, split) of kvcache_split, in parallel, then merge_splits into out
     and stats (in the same call: a call into numba costs a step ~10 us). memory: q_rows,
@@ -652,14 +685,15 @@ def kvcache_forward_splits(
         b, _, split = split_index(item, 1, splits)
         kvcache_split(
             q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant,
-            scale, block_n, kind, partial_out, partial_stats, b, split,
+            scale, block_n, kind, prefetch, partial_out, partial_stats, b, split,
         )  # fmt: skip
     merge_splits(partial_out, partial_stats, variant, out, stats)
 
 
 @njit(fastmath=FASTMATH)
 def kvcache_forward_serial(
-    memory, k_scales, v_scales, head_major, block_table, variant, scale, block_n, kind, splits,
+    memory, k_scales, v_scales, head_major, block_table, variant, scale, block_n, kind,
+    prefetch, splits,
 ):  # fmt: skip
     """kvcache_forward_splits on the calling thread: for steps too small to pay for waking
     numba's threads (see PARALLEL_MIN_BYTES)."""
@@ -671,7 +705,7 @@ def kvcache_forward_serial(
         b, _, split = split_index(item, 1, splits)
         kvcache_split(
             q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant,
-            scale, block_n, kind, partial_out, partial_stats, b, split,
+            scale, block_n, kind, prefetch, partial_out, partial_stats, b, split,
         )  # fmt: skip
     merge_splits(partial_out, partial_stats, variant, out, stats)
 
@@ -704,6 +738,13 @@ def split_count(num_splits: int, batch: int, longest: int, threads: int) -> int:
 # 384: as 192); on the micro-kernels (Zen 4, one thread) 16-key tiles ran 1.5x slower than
 # 192 and 64 as 192. Every head's scores of the tile (8 x 4 x 192 floats) stay in L1.
 DECODE_BLOCK_N = 192
+# Keys a block of a step's walk over row-major pages where the CPU is AMD's, each block
+# first prefetching its share of the next chunk (`prefetch_next_chunk`). Zen 4, 2 threads,
+# B = 1, 32/8 heads, E = 128, alternating processes: S = 16k fp32 7.4-9.6 ms -> 4.2-6.1,
+# bf16 5.4-7.6 -> 3.2-4.2; S = 64k fp32 25-33 -> 18-22, bf16 23-28 -> 12.2-12.8 (blocks of
+# 4 keys for K, 8 for V: alike). Intel's prefetchers follow the walk on their own (95-98%
+# of the read bandwidth on an Xeon): not measured there with it, so it stays off there.
+PREFETCH_KEYS = 8
 # Below this many bytes of K and V per call, a step runs on the calling thread: at 2 MB
 # (S = 256, 8 kv heads, E = 128, fp32) both took 0.47-0.50 ms a call, at 4 MB the threads
 # 0.54 ms against 0.67 (numba's OpenMP layer, 2 threads).
@@ -711,6 +752,13 @@ PARALLEL_MIN_BYTES = 2 << 20
 # A split's fixed cost (its partial rows, the merge) is a few microseconds: below ~256 keys
 # (64K multiply-adds per row at head dim 128) it outweighs what a second thread saves.
 MIN_SPLIT_KEYS = 256
+
+
+@functools.cache
+def prefetch_keys() -> int:
+    """The keys a block of the step's walk prefetches ahead for (PREFETCH_KEYS on AMD's
+    CPUs), 0 for none."""
+    return PREFETCH_KEYS if cpu_vendor() == "AMD" else 0
 
 
 def _is_head_major(pages: Tensor) -> bool:
@@ -809,7 +857,8 @@ def launch_step(
     reads the tensors' memory: a decoding step is short, and each numpy array made for it in
     Python cost it ~3 us (2-4x that inside a model's step)."""
     memory = (q_rows, k_pages, v_pages, out, stats)
-    args = (memory, *scales, head_major, table, variant, scale, DECODE_BLOCK_N, kind, splits)
+    args = (memory, *scales, head_major, table, variant, scale, DECODE_BLOCK_N, kind,
+            prefetch_keys(), splits)  # fmt: skip
     if parallel:
         run_parallel(kvcache_forward_splits, *args)
     else:
