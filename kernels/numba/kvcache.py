@@ -324,8 +324,8 @@ def prefetch_next_chunk(pages, at, row, kv_heads, c, hk, t, keys):
     between keys). The chunk's rows, every head's, are cut into equal runs in memory order,
     one per block of `keys` of each of the chunk's items: the next chunk is read ahead as
     one stream while this one is read head by head, rows 2-4 KiB apart, a walk that Zen 4's
-    prefetchers do not follow (a 64k-key step of 32/8 heads read at 27-31% of the read
-    bandwidth without). Asked for in runs: the whole chunk at once (64 KiB) stalled the
+    prefetchers do not follow (a 64k-key bf16 step of 32/8 heads read at 27-31% of the
+    read bandwidth without). Asked for in runs: the whole chunk at once (64 KiB) stalled the
     walk."""
     width = row // kv_heads  # a head's share of a key's row
     start = at + (c + LANES) * row + (hk * LANES + t) * width
