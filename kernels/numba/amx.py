@@ -56,8 +56,10 @@ _I8 = ir.IntType(8) if ir is not None else None
 
 
 def _target_has_amx(context) -> bool:
-    """Whether the machine code numba emits may hold AMX's bf16 instructions."""
-    features = getattr(context.codegen(), "_tm_features", "").split(",")
+    """Whether the machine code numba emits may hold AMX's bf16 instructions (numba's
+    target machine's features: with no default, so that a numba without them fails loudly
+    instead of trapping every AMX call)."""
+    features = context.codegen()._tm_features.split(",")
     return "+amx-tile" in features and "+amx-bf16" in features
 
 

@@ -740,10 +740,11 @@ def split_count(num_splits: int, batch: int, longest: int, threads: int) -> int:
 DECODE_BLOCK_N = 192
 # Keys a block of a step's walk over row-major pages where the CPU is AMD's, each block
 # first prefetching its share of the next chunk (`prefetch_next_chunk`). Zen 4, 2 threads,
-# B = 1, 32/8 heads, E = 128, alternating processes: S = 16k fp32 7.4-9.6 ms -> 4.2-6.1,
-# bf16 5.4-7.6 -> 3.2-4.2; S = 64k fp32 25-33 -> 18-22, bf16 23-28 -> 12.2-12.8 (blocks of
-# 4 keys for K, 8 for V: alike). Intel's prefetchers follow the walk on their own (95-98%
-# of the read bandwidth on an Xeon): not measured there with it, so it stays off there.
+# B = 1, 32/8 heads, E = 128, without and with it in alternating processes: S = 16k fp32
+# 8.1-9.3 ms -> 6.0-8.5, bf16 7.3-7.7 -> 4.2-5.1; S = 64k fp32 30.3-35.3 -> 25.7-32.0,
+# bf16 26.9-32.2 -> 12.1-16.4 (blocks of 4 keys for K: alike). Intel's prefetchers follow
+# the walk on their own (95-98% of the read bandwidth on an Xeon): not measured there with
+# it, so it stays off there.
 PREFETCH_KEYS = 8
 # Below this many bytes of K and V per call, a step runs on the calling thread: at 2 MB
 # (S = 256, 8 kv heads, E = 128, fp32) both took 0.47-0.50 ms a call, at 4 MB the threads
