@@ -219,12 +219,22 @@ def test_gradients_agree_when_the_backward_recomputes_the_chunks(backend, case, 
     check(backend, case, backward=True)
 
 
+# Packed short sequences (empty, one token, several) on an odd count of value heads: each
+# thread's run of items shares its scratch across sequences and heads.
+SHORT_PACKED = Case(
+    batch=1, steps=20, heads=1, value_heads=3, cu_seqlens=(0, 0, 1, 6, 20), gate="vector",
+    delta=True, l2norm=True, initial_state=True,
+)  # fmt: skip
+
+
 @pytest.mark.skipif("numba" not in BACKENDS, reason="numba is unavailable")
-def test_numba_decoding_step_agrees_on_its_threads_too(monkeypatch):
+@pytest.mark.parametrize("case", [CASES["step"], CASES["short"], SHORT_PACKED],
+                         ids=["step", "short", "short_packed"])  # fmt: skip
+def test_numba_decoding_step_agrees_on_its_threads_too(case, monkeypatch):
     """Small steps run numba's per-token kernel on the calling thread; large ones in
-    parallel: the same step both ways."""
+    parallel: the same steps both ways."""
     set_launcher_constant("numba", monkeypatch, "PARALLEL_MIN_BYTES", 0)
-    check("numba", CASES["step"], backward=False)
+    check("numba", case, backward=False)
 
 
 # numba's chunked forward runs the value heads of a key head in one item where the items

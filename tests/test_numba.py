@@ -225,6 +225,37 @@ def test_scratch_is_kept_per_slot_and_thread_on_a_line(monkeypatch):
     assert not np.shares_memory(launch.scratch("a", (3, 5), np.float32), first)
 
 
+def test_recycled_outputs_reuse_memory_only_once_nothing_uses_it(monkeypatch):
+    """A recycled output's memory serves a later request of its size once its tensor, views
+    and arrays are all freed, never while one lives; spare memory past
+    RECYCLED_SPARE_BYTES is freed; small outputs are plain tensors."""
+    monkeypatch.setattr(launch, "RECYCLED_MIN_BYTES", 64)
+    monkeypatch.setattr(launch, "_SPARE", {})
+    monkeypatch.setattr(launch, "_SPARE_BYTES", [0])
+    shape = (4, 16)
+    tensor, array = launch.recycled_float32(shape, zero=True)
+    address = tensor.data_ptr()
+    assert address % 64 == 0 and array.ctypes.data == address and not tensor.any()
+    view = tensor[1:]
+    del tensor, array
+    held, _ = launch.recycled_float32(shape)  # `view` still uses the first one's memory
+    assert held.data_ptr() != address
+    del view
+    again, _ = launch.recycled_float32(shape, zero=True)
+    assert again.data_ptr() == address and not again.any()
+    held_address = held.data_ptr()
+    del held
+    assert launch.recycled_float32((3, 16))[0].data_ptr() != held_address  # another size
+    taken, _ = launch.recycled_float32(shape)
+    assert taken.data_ptr() == held_address
+    monkeypatch.setattr(launch, "RECYCLED_SPARE_BYTES", 0)
+    spare_bytes = launch._SPARE_BYTES[0]
+    del again  # freed, not kept (malloc may hand its address out again)
+    assert launch._SPARE_BYTES[0] == spare_bytes and not launch._SPARE[4 * 16 * 4]
+    small, _ = launch.recycled_float32((3,))
+    assert small.untyped_storage().resizable()  # under RECYCLED_MIN_BYTES: torch's own
+
+
 def test_fp32_views_are_read_in_place_and_other_layouts_copied():
     blhe = torch.randn(2, 300, 4, 32)
     in_place = blhe.transpose(1, 2)  # (B, H, L, E) with unit stride along E

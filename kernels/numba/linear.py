@@ -40,7 +40,12 @@ from attnperf.kernels.numba.jit import (
     prefetch,
     wide_vectors,
 )
-from attnperf.kernels.numba.launch import as_numpy, float32_array, run_parallel
+from attnperf.kernels.numba.launch import (
+    as_numpy,
+    float32_array,
+    recycled_float32,
+    run_parallel,
+)
 from attnperf.kernels.numba.tiles import product, tiles_flag
 from attnperf.linear_inputs import L2NORM_EPS, LinearAttentionInputs
 
@@ -72,10 +77,10 @@ SOLVE_ROWS = 16
 # (the micro-kernels hold 16 columns a vector).
 TRIANGLE_ROWS = 16
 # Below this many bytes of state, the per-token kernel runs on the calling thread: a gated
-# delta step of Qwen3-Next's heads took 0.44 / 0.46 / 1.37 ms there at B = 1 / 2 / 4 (2 to
-# 8 MiB) against 0.69 / 0.91 / 1.65 ms on two threads, and 3.55 against 2.71 ms at B = 8
-# (benches/linear_decode_threads.py, the AMD EPYC).
-PARALLEL_MIN_BYTES = 16 << 20
+# delta step of Qwen3-Next's heads took 0.24-0.25 / 0.37-0.39 / 0.64-0.74 ms there at B = 1
+# / 2 / 4 (2 to 8 MiB) against 0.19-0.20 / 0.26 / 0.39-0.43 ms on two threads
+# (benches/linear_decode_threads.py, two processes, the AMD EPYC Zen 4).
+PARALLEL_MIN_BYTES = 2 << 20
 # The chunked forward's items take as many value heads of one key head as leave at least
 # this many items a thread. Value heads in one item share their key head's loads and plain
 # products: Qwen3-Next's heads (two value heads a key head), T = 4096, gated delta rule:
@@ -733,8 +738,17 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
 
 
 @njit(fastmath=FASTMATH)
+def recurrent_scratch(head_dim, value_dim):
+    """recurrent_item's scratch: q^ and k rows, their norms, the step's decays, S^T k, S^T q^
+    and the update."""
+    f = np.float32
+    return (np.empty((2, head_dim), f), np.empty(2, f), np.ones(head_dim, f),
+            np.empty(value_dim, f), np.empty(value_dim, f), np.empty(value_dim, f))  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
 def recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out, final,
-                   n, hv):  # fmt: skip
+                   n, hv, scratch):  # fmt: skip
     """The recurrence token by token for sequence n, value head hv, fused: its state is
     read, updated in `final` and written once; for decoding and short sequences."""
     value_dim, head_dim = v.shape[3], k.shape[3]
@@ -748,13 +762,8 @@ def recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
         state[:] = 0.0
     if length == 0:
         state[:] = source
-    rows = np.empty((2, head_dim), np.float32)  # q^ and k of the step
-    no_norms = np.empty(2, np.float32)
+    rows, no_norms, step_decay, read_k, read_q, update = scratch
     no_factor = no_norms[:0]
-    step_decay = np.ones(head_dim, np.float32)
-    read_k = np.empty(value_dim, np.float32)
-    read_q = np.empty(value_dim, np.float32)
-    update = np.empty(value_dim, np.float32)
     for t in range(start, start + length):
         load_rows(q, slot, t, 1, hk, no_factor, scale, l2norm, rows[0:1], no_norms)
         load_rows(k, slot, t, 1, hk, no_factor, np.float32(1.0), l2norm, rows[1:2], no_norms)
@@ -786,12 +795,18 @@ def recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
 
 @njit(parallel=True, fastmath=FASTMATH)
 def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
-                             final):  # fmt: skip
-    """recurrent_item of every (sequence, value head), in parallel."""
+                             final, threads):  # fmt: skip
+    """recurrent_item of every (sequence, value head), in parallel: a run of items a thread,
+    its scratch made once (made per item, six arrays an item, the kernel of a B = 8 step,
+    256 items, took 0.99 ms, against 0.64: AMD EPYC Zen 4, 2 threads)."""
     heads = v.shape[2]
-    for item in prange(sequences.shape[0] * heads):
-        recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out, final,
-                       np.int64(item) // heads, np.int64(item) % heads)  # fmt: skip
+    items = sequences.shape[0] * heads
+    workers = min(threads, items)
+    for worker in prange(workers):
+        scratch = recurrent_scratch(k.shape[3], v.shape[3])
+        for item in range(worker * items // workers, (worker + 1) * items // workers):
+            recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
+                           final, item // heads, item % heads, scratch)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -800,9 +815,10 @@ def linear_forward_recurrent_serial(q, k, v, g, beta, h0, sequences, scale, l2no
     """recurrent_item of every (sequence, value head) on the calling thread: for steps too
     small to pay for waking numba's threads (see PARALLEL_MIN_BYTES)."""
     heads = v.shape[2]
+    scratch = recurrent_scratch(k.shape[3], v.shape[3])
     for item in range(sequences.shape[0] * heads):
         recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out, final,
-                       item // heads, item % heads)  # fmt: skip
+                       item // heads, item % heads, scratch)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -866,14 +882,17 @@ def numba_linear_forward(
     a backward, else the chunked one."""
     runs = math.prod(inputs.state_shape) > 0  # else nothing to compute: zeros
     # The kernels write every row of the output and the state (the sequences cover T).
-    out, out_array = float32_array(inputs.value.shape, zero=not runs)
-    final, final_array = float32_array(inputs.state_shape, zero=not runs)
     longest = int(inputs.sequences.numpy()[:, 2].max()) if inputs.count else 0
+    recurrent = longest <= RECURRENT_MAX_STEPS and not backward
+    out, out_array = float32_array(inputs.value.shape, zero=not runs)
+    # A decoding step's new state, on the memory of a replaced one (see recycled_float32).
+    new_state = recycled_float32 if recurrent else float32_array
+    final, final_array = new_state(inputs.state_shape, zero=not runs)
     args = (*_arrays(inputs), np.float32(inputs.scale), inputs.l2norm, inputs.g is not None,
             inputs.beta is not None, out_array, final_array)  # fmt: skip
-    if longest <= RECURRENT_MAX_STEPS and not backward:
+    if recurrent:
         if runs and math.prod(inputs.state_shape) * 4 >= PARALLEL_MIN_BYTES:
-            run_parallel(linear_forward_recurrent, *args)
+            run_parallel(linear_forward_recurrent, *args, torch.get_num_threads())
         elif runs:
             linear_forward_recurrent_serial(*args)
         return out.to(inputs.dtype), final, ()
