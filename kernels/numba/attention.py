@@ -37,6 +37,7 @@ from attnperf.kernels.numba.jit import (
     pointer_at,
     prange,
     row_view,
+    run_bounds,
     split_index,
     strided_array,
     strided_at,
@@ -171,14 +172,6 @@ def tile_and_head(variant, q_heads, kv_heads, block_m, item):
     if tile[5] <= 0:
         return tile, -1
     return tile, tile[0] * kv_heads + tile[1] // (q_heads // kv_heads)
-
-
-@njit(fastmath=FASTMATH)
-def run_bounds(run, runs, items):
-    """(first, last + 1) of run `run` of `runs` runs of consecutive items, as even as can
-    be (prange's static schedule)."""
-    run = np.int64(run)  # prange's indices are unsigned
-    return run * items // runs, (run + 1) * items // runs
 
 
 @njit(fastmath=FASTMATH)

@@ -200,6 +200,14 @@ def strided_at(memory):
 
 
 @njit()
+def run_bounds(run, runs, items):
+    """(first, last + 1) of run `run` of `runs` runs of consecutive items, as even as can
+    be (prange's static schedule)."""
+    run = np.int64(run)  # prange's indices are unsigned
+    return run * items // runs, (run + 1) * items // runs
+
+
+@njit()
 def split_index(item, heads, tiles):
     """(batch, head, tile) of a flat prange index (prange indices are unsigned)."""
     item = np.int64(item)

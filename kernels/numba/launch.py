@@ -62,6 +62,14 @@ _SCRATCH = threading.local()
 SCRATCH_MAX_BYTES = 32 << 20
 
 
+def on_a_line(raw: np.ndarray, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An array of `shape` in `raw`'s bytes (64 more than it needs), starting on a 64-byte
+    line."""
+    skip = -raw.ctypes.data % 64
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    return raw[skip : skip + size].view(dtype).reshape(shape)
+
+
 def scratch(slot: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     """An uninitialised array starting on a 64-byte line, in this thread's memory kept
     between calls for `slot` (one array a slot at a time): for operands packed during a call
@@ -79,8 +87,7 @@ def scratch(slot: str, shape: tuple[int, ...], dtype) -> np.ndarray:
         raw = None if kept is None else kept[0]
         if raw is None or raw.size < size + 64:
             raw = np.empty(size + 64, np.uint8)
-    skip = -raw.ctypes.data % 64
-    array = raw[skip : skip + size].view(dtype).reshape(shape)
+    array = on_a_line(raw, shape, dtype)
     if size <= SCRATCH_MAX_BYTES:
         slots[slot] = (raw, array)
     return array
@@ -164,12 +171,12 @@ def recycled_float32(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor
     with _SPARE_LOCK:
         spare = _SPARE.get(size)
         raw = spare.pop() if spare else None
-        _SPARE_BYTES[0] -= 0 if raw is None else raw.nbytes
+        if raw is not None:
+            _SPARE_BYTES[0] -= raw.nbytes
     if raw is None:
         raw = np.empty(size + 64, np.uint8)
         ask_huge_pages(raw.ctypes.data, raw.nbytes)
-    skip = -raw.ctypes.data % 64
-    array = raw[skip : skip + size].view(np.float32).reshape(shape)
+    array = on_a_line(raw, shape, np.float32)
     weakref.finalize(array, _give_back, raw, size).atexit = False
     if zero:
         array.fill(0.0)

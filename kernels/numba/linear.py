@@ -38,6 +38,7 @@ from attnperf.kernels.numba.jit import (
     njit,
     prange,
     prefetch,
+    run_bounds,
     wide_vectors,
 )
 from attnperf.kernels.numba.launch import (
@@ -804,7 +805,8 @@ def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gat
     workers = min(threads, items)
     for worker in prange(workers):
         scratch = recurrent_scratch(k.shape[3], v.shape[3])
-        for item in range(worker * items // workers, (worker + 1) * items // workers):
+        first, last = run_bounds(worker, workers, items)
+        for item in range(first, last):
             recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
                            final, item // heads, item % heads, scratch)  # fmt: skip
 
