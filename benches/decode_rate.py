@@ -10,34 +10,25 @@ this is the figure a change to the step's tiles moves; its bandwidth share is no
 """
 
 import argparse
-import statistics
-import time
 
 import torch
+from decode_steps import HEAD_DIM, cache, median_us  # benches/, the script's own folder
 
 import attnperf
 from attnperf.machine import cpu_description
 
-Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-
-
-def median_s(call, repeats: int = 200, blocks: int = 9) -> float:
-    for _ in range(5):
-        call()
-    times = []
-    for _ in range(blocks):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        times.append((time.perf_counter() - start) / repeats)
-    return statistics.median(times)
+Q_HEADS, KV_HEADS = 32, 8
 
 
 def step_s(keys: int, dtype: torch.dtype) -> float:
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 1, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    k, v = (torch.randn(1, keys, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
-    return median_s(lambda: attnperf.attention_with_kvcache(q, k, v, keys, backend="numba"))
+    """Median seconds of one step over a full row-major cache of `keys` keys."""
+    k_cache, v_cache = (cache(KV_HEADS, keys, False, dtype) for _ in range(2))
+    q = torch.randn(1, 1, Q_HEADS, HEAD_DIM, dtype=dtype)
+
+    def step():
+        return attnperf.attention_with_kvcache(q, k_cache, v_cache, keys, backend="numba")
+
+    return median_us(step, 200) / 1e6
 
 
 def main() -> None:
