@@ -326,16 +326,16 @@ STEP_KINDS = [
 ]
 
 
-@pytest.mark.parametrize("prefetch", [0, numba_kvcache.PREFETCH_KEYS], ids=["", "prefetch"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("dtype, kind, head_dims", STEP_KINDS, ids=lambda x: str(x))
 def test_numba_decode_every_step_kind_keeps_the_2x_rule(dtype, kind, head_dims, prefetch,
                                                         monkeypatch):  # fmt: skip
     """Each way a step runs, forced whatever this CPU would choose: the micro-kernels (fp32,
     or bf16 dot products where the CPU has them and two FMAs where not) and the per-key
     loops, at head dims off the vector width, both cache layouts, GQA rows of 3; with and
-    without the walk's prefetching (AMD's), in blocks that end mid-chunk."""
+    without the walk's prefetching (AMD's)."""
     monkeypatch.setattr(numba_kvcache, "decode_kind", lambda inputs: kind)
-    monkeypatch.setattr(numba_kvcache, "prefetch_keys", lambda: prefetch)
+    monkeypatch.setattr(numba_kvcache, "prefetches", lambda: prefetch)
     numba = dispatch.registry()["numba"]
     for head_dim in head_dims:
         call = cache_call(dtype, q_len=3, new=3, cached=(0, 6, 37, 90), seed=head_dim, heads=6,
@@ -348,7 +348,7 @@ def test_numba_decode_every_step_kind_keeps_the_2x_rule(dtype, kind, head_dims, 
             assert_agrees(lse, exact[1], baseline[1], what="lse")
 
 
-@pytest.mark.parametrize("prefetch", [0, numba_kvcache.PREFETCH_KEYS], ids=["", "prefetch"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_numba_decode_at_realistic_size_keeps_the_2x_rule(dtype, prefetch, monkeypatch):
     """One token over 4096 cached keys, Llama's head dim and a GQA group of 4, in the
@@ -356,7 +356,7 @@ def test_numba_decode_at_realistic_size_keeps_the_2x_rule(dtype, prefetch, monke
     (transformers' head-major one: the values of a head's whole tile in one product), with
     and without the walk's prefetching."""
     monkeypatch.setattr(numba_kvcache, "DECODE_BLOCK_N", 192)
-    monkeypatch.setattr(numba_kvcache, "prefetch_keys", lambda: prefetch)
+    monkeypatch.setattr(numba_kvcache, "prefetches", lambda: prefetch)
     call = cache_call(dtype, new=0, cached=(4096, 3096), seed=11, head_dim=128, s_max=4096)
     exact, baseline = expected(float64_reference, call), expected(same_precision_reference, call)
     for layout in (call, head_major(call)):

@@ -143,8 +143,47 @@ def test_scores_by_dots_match_float64_and_stay_in_their_keys(dtype):
                 assert np.all(s[:, keys:] == -7.0), (dim, rows, keys)
 
 
-def product_into(depth, a_view, b_view, c_view, rows, cols):
-    tile_product(depth, np.float32(1.0), np.float32(0.0), a_view, b_view, c_view, rows, cols)
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "widened", "scores fp32", "scores bf16"])
+def test_prefetching_ahead_changes_no_bit(kind):
+    """`ahead` (the KV-cache walk's prefetch into L2 as each B or key row loads) runs
+    a loop of its own: every micro-kernel kind and the scores' dot products give the same
+    bits with it as without, at rows, columns and depths off the blocks, and with
+    prefetched lines past the array's end (a prefetch never faults)."""
+    gen = torch.Generator().manual_seed(4)
+    dtype = torch.float32 if kind in ("fp32", "scores fp32") else torch.bfloat16
+    for rows in ROWS:
+        for cols in COLS:
+            for depth in (2, 40, 100):
+                a = torch.randn(rows, depth, generator=gen).to(dtype)
+                b = torch.randn(depth, cols, generator=gen).to(dtype)
+                if kind == "widened":
+                    a = a.float()
+                array = {torch.float32: lambda t: t.numpy(), torch.bfloat16: bits}
+                a_np, b_np = array[a.dtype](a), array[b.dtype](b)
+                outs = []
+                for ahead in (0, depth * cols):
+                    out = np.zeros((rows, cols), np.float32)
+                    if kind.startswith("scores"):  # b's columns as the keys' rows
+                        k = array[dtype](b.T.contiguous())
+                        steps = depth if dtype == torch.float32 else depth // 2
+                        scores_by_dots(steps, np.float32(0.5), (a_np, 0, depth), (k, 0, depth),
+                                       (out, 0, cols), rows, min(cols, 16), ahead)  # fmt: skip
+                    elif kind == "bf16":
+                        b_pairs = np.empty((depth // 2, 2 * cols), np.uint16)
+                        pack_vnni(b_np, b_pairs)
+                        product_into(depth // 2, (a_np, 0, depth, 1), (b_pairs, 0, 2 * cols, 32),
+                                     (out, 0, cols), rows, cols, ahead)  # fmt: skip
+                    else:
+                        product_into(depth, (a_np, 0, depth, 1), (b_np, 0, cols, 16),
+                                     (out, 0, cols), rows, cols, ahead)  # fmt: skip
+                    outs.append(out)
+                assert np.array_equal(outs[0], outs[1]), (rows, cols, depth)
+                assert np.any(outs[0] != 0), (rows, cols, depth)
+
+
+def product_into(depth, a_view, b_view, c_view, rows, cols, ahead=0):
+    tile_product(depth, np.float32(1.0), np.float32(0.0), a_view, b_view, c_view, rows, cols,
+                 ahead)  # fmt: skip
 
 
 def test_to_bf16_rounds_to_nearest_even_as_torch():

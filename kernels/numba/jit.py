@@ -225,27 +225,13 @@ def prefetch(typingctx, array, at):
         indices = cgutils.unpack_tuple(builder, args[1])
         pointer = cgutils.get_item_pointer(context, builder, array_type, data, indices,
                                            wraparound=False, boundscheck=False)  # fmt: skip
-        _emit_prefetch(builder, pointer, 3)
+        emit_prefetch(builder, pointer, 3)
         return context.get_dummy_value()
 
     return types.void(array, at), codegen
 
 
-@intrinsic
-def prefetch_to_l2(typingctx, array, offset):
-    """Asks for the cache line of the array's element `offset` (counting elements from its
-    first, as the micro-kernels' views do; never checked) into L2, not L1 (prefetcht1):
-    for lines needed a while later, which in L1 would evict the lines in use."""
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        _emit_prefetch(builder, builder.gep(data, [args[1]]), 2)
-        return context.get_dummy_value()
-
-    return types.void(array, types.intp), codegen
-
-
-def _emit_prefetch(builder, pointer, locality):
+def emit_prefetch(builder, pointer, locality):
     """llvm.prefetch of a read at `pointer`; locality 3: into L1, 2: into L2."""
     byte_pointer = builder.bitcast(pointer, ir.IntType(8).as_pointer())
     i32 = ir.IntType(32)

@@ -38,7 +38,6 @@ from attnperf.kernels.numba.jit import (
     array_at,
     njit,
     prange,
-    prefetch_to_l2,
     split_index,
     unowned_members,
     wide_vectors,
@@ -290,24 +289,20 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
     S = Q K^T by `scores_by_dots` on the keys as they lie, the online softmax, then acc += P V
     with the values read in place (bf16 ones widened in registers, P rounded to bf16 first).
     Both products walk (16-key chunk, head) pairs in the order the page lies in memory
-    (`memory_order`); on row-major pages, with `prefetch` (keys, 0: none), in blocks of that
-    many keys, each first prefetching its share of the next chunk (`prefetch_next_chunk`)."""
+    (`memory_order`); on row-major pages, with `prefetch`, each load of a key or value row
+    asks for the same head's row one chunk on into L2 (see `ahead_of`)."""
     kv_heads, rows, width = s.shape
     bf16 = k_pages.itemsize == 2  # bf16 bits (fp16 caches come converted to fp32)
     depth = q_rows.shape[2] // 2 if bf16 else q_rows.shape[2]
     k_at, k_head, k_row = page_offsets(k_pages, head_major, page, first_row)
-    step = prefetch if prefetch and not head_major else LANES
+    ahead = ahead_of(prefetch, head_major, k_row)
     chunks = (cols + LANES - 1) // LANES
     for item in range(chunks * kv_heads):
         c, hk = memory_order(item, chunks, kv_heads, head_major, LANES)
         q_view = (q_rows, hk * rows * q_rows.shape[2], q_rows.shape[2])
-        keys = min(LANES, cols - c)
-        for t in range(0, keys, step):
-            if step < LANES:
-                prefetch_next_chunk(k_pages, k_at, k_row, kv_heads, c, hk, t, step)
-            k_view = (k_pages, k_at + hk * k_head + (c + t) * k_row, k_row)
-            s_view = (s, hk * rows * width + c + t, width)
-            scores_by_dots(depth, scale2, q_view, k_view, s_view, rows, min(step, keys - t))
+        k_view = (k_pages, k_at + hk * k_head + c * k_row, k_row)
+        s_view = (s, hk * rows * width + c, width)
+        scores_by_dots(depth, scale2, q_view, k_view, s_view, rows, min(LANES, cols - c), ahead)
     for hk in range(kv_heads):
         tile_softmax(s, hk, q_len, cols, variant, b, j0, structure, acc, row_max, row_sum,
                      shift)  # fmt: skip
@@ -318,19 +313,16 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
 
 
 @njit()
-def prefetch_next_chunk(pages, at, row, kv_heads, c, hk, t, keys):
-    """Into L2: the share of keys t .. t + keys of item (chunk c, head hk) in the next
-    16-key chunk of row-major pages (`at`: head 0's first key of the tile, `row`: elements
-    between keys). The chunk's rows, every head's, are cut into equal runs in memory order,
-    one per block of `keys` of each of the chunk's items: the next chunk is read ahead as
-    one stream while this one is read head by head, rows 2-4 KiB apart, a walk that Zen 4's
-    prefetchers do not follow (a 64k-key bf16 step of 32/8 heads read at 27-31% of the
-    read bandwidth without). Asked for in runs: the whole chunk at once (64 KiB) stalled the
-    walk."""
-    width = row // kv_heads  # a head's share of a key's row
-    start = at + (c + LANES) * row + (hk * LANES + t) * width
-    for e in range(0, keys * width, 64 // pages.itemsize):
-        prefetch_to_l2(pages, start + e)
+def ahead_of(prefetch, head_major, row):
+    """Elements from a key's row to the same head's row one 16-key chunk on, where the walk
+    prefetches (`prefetch` and row-major pages; `row`: elements between keys), else 0.
+    Row-major pages are read a chunk at a time head by head, rows 2-4 KiB apart, a walk
+    that Zen 4's prefetchers do not follow (a 64k-key bf16 step of 32/8 heads read at
+    27-31% of the read bandwidth without). Asked for with each load, the lines are in
+    L2 a chunk's work later, and no burst of prefetches waits on memory: blocks of 8
+    keys, each first asking for its share of the next chunk (the walk's order before),
+    ran 1.17-1.45x slower (2 threads, B = 1 and 4, 16k keys, both in one process)."""
+    return LANES * row if prefetch and not head_major else 0
 
 
 @njit(fastmath=FASTMATH)
@@ -343,25 +335,20 @@ def chunked_values(p, values, head_major, cols, acc, prefetch):
     tile's keys (4 rows, 192-key tiles, bf16, Intel Xeon: 37 us against 68 per 2048 keys of
     2 heads). Otherwise 16-key chunks: more rows' values stay in L1 across the row blocks,
     and row-major pages are read across their heads (a head at a time, a 16k-key step of
-    32/8 heads ran 1.5x slower), with `prefetch` in blocks as `micro_kernel_tile` reads
-    the keys."""
+    32/8 heads ran 1.5x slower), with `prefetch` as `micro_kernel_tile` reads the keys."""
     kv_heads, rows, width = p.shape
     pages, v_at, v_head, v_row = values
     acc_rows, value_dim = acc.shape[1], acc.shape[2]
     span = cols if head_major and rows <= BLOCK_ROWS else LANES
-    step = prefetch if prefetch and not head_major else span
+    ahead = ahead_of(prefetch, head_major, v_row)
     chunks = (cols + span - 1) // span
     for item in range(chunks * kv_heads):
         c, hk = memory_order(item, chunks, kv_heads, head_major, span)
         acc_view = (acc, hk * acc_rows * value_dim, value_dim)
-        keys = min(span, cols - c)
-        for t in range(0, keys, step):
-            if step < span:
-                prefetch_next_chunk(pages, v_at, v_row, kv_heads, c, hk, t, step)
-            p_view = (p, hk * rows * width + c + t, width, 1)
-            v_view = (pages, v_at + hk * v_head + (c + t) * v_row, v_row, LANES)
-            tile_product(min(step, keys - t), ONE, ONE, p_view, v_view, acc_view, rows,
-                         value_dim)  # fmt: skip
+        p_view = (p, hk * rows * width + c, width, 1)
+        v_view = (pages, v_at + hk * v_head + c * v_row, v_row, LANES)
+        tile_product(min(span, cols - c), ONE, ONE, p_view, v_view, acc_view, rows, value_dim,
+                     ahead)  # fmt: skip
 
 
 @njit()
@@ -552,8 +539,8 @@ def kvcache_split(
 
     It walks its keys in tiles, in memory order (a head at a time over (rows, H, E) pages,
     its rows a page apart, defeats the prefetchers): on AMX tiles (kind AMX, see amx_tile),
-    the micro-kernels (kind FP32 or BF16, see micro_kernel_tile; `prefetch` keys a block
-    there, `prefetch_keys`), or in per-key loops (LOOPS, see decode_kind).
+    the micro-kernels (kind FP32 or BF16, see micro_kernel_tile; `prefetch` there:
+    `prefetches`), or in per-key loops (LOOPS, see decode_kind).
     """
     splits, _, q_heads, q_len, value_dim = partial_out.shape
     kv_heads = q_rows.shape[1]
@@ -738,14 +725,6 @@ def split_count(num_splits: int, batch: int, longest: int, threads: int) -> int:
 # 384: as 192); on the micro-kernels (Zen 4, one thread) 16-key tiles ran 1.5x slower than
 # 192 and 64 as 192. Every head's scores of the tile (8 x 4 x 192 floats) stay in L1.
 DECODE_BLOCK_N = 192
-# Keys a block of a step's walk over row-major pages where the CPU is AMD's, each block
-# first prefetching its share of the next chunk (`prefetch_next_chunk`). Zen 4, 2 threads,
-# B = 1, 32/8 heads, E = 128, without and with it in alternating processes: S = 16k fp32
-# 8.1-9.3 ms -> 6.0-8.5, bf16 7.3-7.7 -> 4.2-5.1; S = 64k fp32 30.3-35.3 -> 25.7-32.0,
-# bf16 26.9-32.2 -> 12.1-16.4 (blocks of 4 keys for K: alike). Intel's prefetchers follow
-# the walk on their own (95-98% of the read bandwidth on an Xeon): not measured there with
-# it, so it stays off there.
-PREFETCH_KEYS = 8
 # Below this many bytes of K and V per call, a step runs on the calling thread: at 2 MB
 # (S = 256, 8 kv heads, E = 128, fp32) both took 0.47-0.50 ms a call, at 4 MB the threads
 # 0.54 ms against 0.67 (numba's OpenMP layer, 2 threads).
@@ -756,10 +735,14 @@ MIN_SPLIT_KEYS = 256
 
 
 @functools.cache
-def prefetch_keys() -> int:
-    """The keys a block of the step's walk prefetches ahead for (PREFETCH_KEYS on AMD's
-    CPUs), 0 for none."""
-    return PREFETCH_KEYS if cpu_vendor() == "AMD" else 0
+def prefetches() -> bool:
+    """Whether a step's walk over row-major pages prefetches the next chunk (`ahead_of`):
+    on AMD's CPUs. Zen 4, 2 threads, 16k keys, 32/8 heads, E = 128, fp32 and bf16 caches
+    at B = 1 and 4, in one process (a read probe of 29-30 GB/s): 17.5-19.7 / 10.8-12.2
+    GB/s without, 23.2-25.3 / 23.1-26.1 with. Intel's prefetchers follow the walk on their
+    own (95-98% of the read bandwidth on a Xeon): not measured there with it, so it stays
+    off there."""
+    return cpu_vendor() == "AMD"
 
 
 def _is_head_major(pages: Tensor) -> bool:
@@ -859,7 +842,7 @@ def launch_step(
     Python cost it ~3 us (2-4x that inside a model's step)."""
     memory = (q_rows, k_pages, v_pages, out, stats)
     args = (memory, *scales, head_major, table, variant, scale, DECODE_BLOCK_N, kind,
-            prefetch_keys(), splits)  # fmt: skip
+            prefetches(), splits)  # fmt: skip
     if parallel:
         run_parallel(kvcache_forward_splits, *args)
     else:

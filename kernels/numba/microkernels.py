@@ -40,6 +40,7 @@ from attnperf.kernels.numba.fastmath import EXP2_BF16_COEFFS, EXP2_COEFFS
 from attnperf.kernels.numba.jit import (
     FASTMATH,
     cgutils,
+    emit_prefetch,
     intrinsic,
     ir,
     literally,
@@ -303,7 +304,7 @@ def _operand(context, builder, view_type, view):
 
 
 @intrinsic(prefer_literal=True)
-def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, cols):
+def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, cols, ahead):
     """C[i, j] = alpha * sum_d A[i, d] B[d, j] + beta * C[i, j] for i < mr, j < cols <=
     16 nv (mr and nv literal; beta = 0 never reads C), fp32 for float32 A and B, bf16 for
     uint16 ones, and for a float32 A with a uint16 B (a bf16 cache's values as they lie)
@@ -314,6 +315,10 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
     - b_view (b, offset, row_stride, vector_stride): B[d, j] = b[offset + d row_stride +
       (j // 16) vector_stride + j % 16] (bf16: the pair at 2 (j % 16)).
     - c_view (c, offset, row_stride): C[i, j] = c[offset + i row_stride + j].
+
+    With AVX-512 and `ahead` != 0, each B row's lines `ahead` elements on are asked for
+    into L2 as the row is loaded (prefetcht1): for B rows that the prefetchers cannot
+    foresee, a KV cache's values walked head by head. 0: none.
 
     Other pairs of dtypes trap: numba types both sides of an `if` on the operands' dtype,
     and such a pair only appears on the side never taken. So does nv above
@@ -327,12 +332,12 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
     kind_value = {(types.float32, types.float32): FP32, (types.uint16, types.uint16): BF16,
                   (types.float32, types.uint16): WIDENED}.get((a_dtype, b_dtype))  # fmt: skip
     sig = types.void(mr, nv, types.intp, types.float32, types.float32, a_view, b_view, c_view,
-                     types.intp)  # fmt: skip
+                     types.intp, types.intp)  # fmt: skip
     has_bf16 = "avx512bf16" in target_features()
     most_vectors = panel_vectors()
 
     def codegen(context, builder, signature, args):
-        depth, alpha, beta, a_view, b_view, c_view, cols = args[2:]
+        depth, alpha, beta, a_view, b_view, c_view, cols, ahead = args[2:]
         if kind_value is None or vectors > most_vectors:
             builder.call(_function(builder, "llvm.trap", ir.VoidType(), []), [])
             return context.get_dummy_value()
@@ -358,8 +363,9 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
         beta_vector = _splat(builder, beta, emit.f32x16)
         reads_c = builder.fcmp_ordered("!=", beta, ir.Constant(ir.FloatType(), 0.0))
 
-        def block_product(masked):
-            """The depth loop and C's update; the last vector's loads masked or not."""
+        def block_product(masked, prefetching=False):
+            """The depth loop and C's update; the last vector's loads masked or not, B's
+            lines `ahead` on prefetched or not."""
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
                     for _ in range(rows)]  # fmt: skip
             with rolled_loop(builder, depth) as d:
@@ -370,6 +376,10 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
                     b_vectors.append(
                         emit.b_operand(builder.gep(b_data, [at]), masked and j == vectors - 1)
                     )
+                    # A widened B vector is half a line: one prefetch a pair of them.
+                    if prefetching and (kind_value != WIDENED or j % 2 == 0):
+                        ahead_at = builder.gep(b_data, [builder.add(at, ahead)])
+                        emit_prefetch(builder, ahead_at, 2)
                 a_at = builder.add(a_offset, builder.mul(d, a_step))
                 for i in range(rows):
                     at = builder.add(a_at, builder.mul(constant(i), a_row_stride))
@@ -393,7 +403,11 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
                             emit.store(value, pointer, last)
 
         if most_vectors > 1:  # AVX-512: masks are free, in registers of their own
-            block_product(masked=True)
+            with builder.if_else(builder.icmp_signed("!=", ahead, constant(0))) as (on, off):
+                with on:
+                    block_product(masked=True, prefetching=True)
+                with off:
+                    block_product(masked=True)
             return context.get_dummy_value()
         # Without AVX-512, whole panels load unmasked: on AVX2 (Zen 3) the masked loads
         # (vmaskmovps), and the mask spilled for want of a 17th register, held the 6 x 16
@@ -427,7 +441,7 @@ def panel_width(typingctx):
 
 
 @njit(fastmath=FASTMATH)
-def _row_blocks(nv, depth, alpha, beta, a_view, b_view, c_view, rows, cols):
+def _row_blocks(nv, depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahead):
     """One panel of `cols` <= 16 nv columns, its rows in blocks of 6."""
     literally(nv)  # compiled per vector count
     a, a_offset, a_row_stride, a_depth_stride = a_view
@@ -436,28 +450,28 @@ def _row_blocks(nv, depth, alpha, beta, a_view, b_view, c_view, rows, cols):
     for i0 in range(0, full, BLOCK_ROWS):
         a_block = (a, a_offset + i0 * a_row_stride, a_row_stride, a_depth_stride)
         c_block = (c, c_offset + i0 * c_row_stride, c_row_stride)
-        micro_kernel(BLOCK_ROWS, nv, depth, alpha, beta, a_block, b_view, c_block, cols)
+        micro_kernel(BLOCK_ROWS, nv, depth, alpha, beta, a_block, b_view, c_block, cols, ahead)
     a_left = (a, a_offset + full * a_row_stride, a_row_stride, a_depth_stride)
     c_left = (c, c_offset + full * c_row_stride, c_row_stride)
     left = rows - full  # each count a literal shape of its own
     if left == 5:
-        micro_kernel(5, nv, depth, alpha, beta, a_left, b_view, c_left, cols)
+        micro_kernel(5, nv, depth, alpha, beta, a_left, b_view, c_left, cols, ahead)
     elif left == 4:
-        micro_kernel(4, nv, depth, alpha, beta, a_left, b_view, c_left, cols)
+        micro_kernel(4, nv, depth, alpha, beta, a_left, b_view, c_left, cols, ahead)
     elif left == 3:
-        micro_kernel(3, nv, depth, alpha, beta, a_left, b_view, c_left, cols)
+        micro_kernel(3, nv, depth, alpha, beta, a_left, b_view, c_left, cols, ahead)
     elif left == 2:
-        micro_kernel(2, nv, depth, alpha, beta, a_left, b_view, c_left, cols)
+        micro_kernel(2, nv, depth, alpha, beta, a_left, b_view, c_left, cols, ahead)
     elif left == 1:
-        micro_kernel(1, nv, depth, alpha, beta, a_left, b_view, c_left, cols)
+        micro_kernel(1, nv, depth, alpha, beta, a_left, b_view, c_left, cols, ahead)
 
 
 @njit(fastmath=FASTMATH)
-def tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols):
+def tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahead=0):
     """C[:rows, :cols] = alpha * A[:rows, :depth] @ B[:depth, :cols] + beta * C in
-    micro-kernels (views and kinds as `micro_kernel`'s; for bf16 `depth` counts pairs).
-    Columns go in panels (`panel_width`), whose B rows stay in L1 across the panel's row
-    blocks."""
+    micro-kernels (views, kinds and `ahead` as `micro_kernel`'s; for bf16 `depth` counts
+    pairs). Columns go in panels (`panel_width`), whose B rows stay in L1 across the
+    panel's row blocks."""
     b, b_offset, b_row_stride, b_vector_stride = b_view
     c, c_offset, c_row_stride = c_view
     panel = panel_width()
@@ -466,13 +480,13 @@ def tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols):
         b_panel = (b, b_offset + j0 // LANES * b_vector_stride, b_row_stride, b_vector_stride)
         c_panel = (c, c_offset + j0, c_row_stride)
         if width > 3 * LANES:
-            _row_blocks(4, depth, alpha, beta, a_view, b_panel, c_panel, rows, width)
+            _row_blocks(4, depth, alpha, beta, a_view, b_panel, c_panel, rows, width, ahead)
         elif width > 2 * LANES:
-            _row_blocks(3, depth, alpha, beta, a_view, b_panel, c_panel, rows, width)
+            _row_blocks(3, depth, alpha, beta, a_view, b_panel, c_panel, rows, width, ahead)
         elif width > LANES:
-            _row_blocks(2, depth, alpha, beta, a_view, b_panel, c_panel, rows, width)
+            _row_blocks(2, depth, alpha, beta, a_view, b_panel, c_panel, rows, width, ahead)
         else:
-            _row_blocks(1, depth, alpha, beta, a_view, b_panel, c_panel, rows, width)
+            _row_blocks(1, depth, alpha, beta, a_view, b_panel, c_panel, rows, width, ahead)
 
 
 @njit(fastmath=FASTMATH)
@@ -508,23 +522,25 @@ KEY_BLOCKS = {4: 4, 2: 8, 1: 16}  # key_dots' shapes: query rows -> keys, 16 acc
 
 
 @intrinsic(prefer_literal=True)
-def key_dots(typingctx, mr, depth, alpha, q_view, k_view, s_view, keys):
+def key_dots(typingctx, mr, depth, alpha, q_view, k_view, s_view, keys, ahead):
     """S[i, t] = alpha * sum_d Q[i, d] K[t, d] for i < mr and t < keys <= 16 / mr (mr 1, 2
     or 4, literal): dot products of query rows with key rows as they lie (no packing, so a
     cache is read in memory order), mr x 16 / mr vector accumulators reduced at the end by a
     transposing tree (15 adds for 16 sums, no horizontal sum per key). fp32 for float32 q
     and k, bf16 pairs (vdpbf16ps; depth counts pairs) for uint16 ones. Views count
-    elements: (array, offset, row_stride); key rows past `keys` are never read."""
+    elements: (array, offset, row_stride); key rows past `keys` are never read. With
+    `ahead` != 0, each key vector's line `ahead` elements on is asked for into L2 as the
+    vector is loaded (as `micro_kernel`'s B rows; the depth's last partial vector not)."""
     if not isinstance(mr, types.IntegerLiteral) or mr.literal_value not in KEY_BLOCKS:
         return None
     rows = mr.literal_value
     key_block = KEY_BLOCKS[rows]
     kind_value = FP32 if q_view[0].dtype == types.float32 else BF16
-    sig = types.void(mr, types.intp, types.float32, q_view, k_view, s_view, types.intp)
+    sig = types.void(mr, types.intp, types.float32, q_view, k_view, s_view, types.intp, types.intp)
     has_bf16 = "avx512bf16" in target_features()
 
     def codegen(context, builder, signature, args):
-        depth, alpha, q_view, k_view, s_view, keys = args[1:]
+        depth, alpha, q_view, k_view, s_view, keys, ahead = args[1:]
         if signature.args[3][0].dtype != signature.args[4][0].dtype:  # a side never taken
             builder.call(_function(builder, "llvm.trap", ir.VoidType(), []), [])
             return context.get_dummy_value()
@@ -551,21 +567,26 @@ def key_dots(typingctx, mr, depth, alpha, q_view, k_view, s_view, keys):
             key_rows.append(builder.add(k_offset, builder.mul(row, k_stride)))
         q_rows = [builder.add(q_offset, builder.mul(constant(i), q_stride)) for i in range(rows)]
 
-        def depth_step(at, mask):
+        def depth_step(at, mask, prefetching=False):
             emit.mask = mask
             masked = mask is not None
             queries = [emit.load(builder.gep(q_data, [builder.add(q_row, at)]), vector_type,
                                  masked) for q_row in q_rows]  # fmt: skip
             for t in range(key_block):
-                key = emit.load(builder.gep(k_data, [builder.add(key_rows[t], at)]),
-                                vector_type, masked)  # fmt: skip
+                key_at = builder.add(key_rows[t], at)
+                key = emit.load(builder.gep(k_data, [key_at]), vector_type, masked)
+                if prefetching:
+                    emit_prefetch(builder, builder.gep(k_data, [builder.add(key_at, ahead)]), 2)
                 for i in range(rows):
                     acc = builder.load(accs[i][t])
                     builder.store(emit.multiply_add(acc, queries[i], key), accs[i][t])
 
         whole = builder.sdiv(depth, constant(LANES))
-        with rolled_loop(builder, whole) as d:
-            depth_step(builder.mul(builder.mul(d, constant(LANES)), unit), None)
+        with builder.if_else(builder.icmp_signed("!=", ahead, constant(0))) as (on, off):
+            for branch, prefetching in ((on, True), (off, False)):
+                with branch, rolled_loop(builder, whole) as d:
+                    depth_step(builder.mul(builder.mul(d, constant(LANES)), unit), None,
+                               prefetching)  # fmt: skip
         left = builder.trunc(builder.srem(depth, constant(LANES)), ir.IntType(32))
         with builder.if_then(builder.icmp_signed(">", left, _i32(0))):
             at = builder.mul(builder.mul(whole, constant(LANES)), unit)
@@ -610,7 +631,7 @@ def key_dots(typingctx, mr, depth, alpha, q_view, k_view, s_view, keys):
 
 
 @njit(fastmath=FASTMATH)
-def _dot_blocks(mr, depth, alpha, q_view, k_view, s_view, i, keys):
+def _dot_blocks(mr, depth, alpha, q_view, k_view, s_view, i, keys, ahead):
     """Query rows i .. i + mr - 1 against every key, in key_dots of mr rows."""
     literally(mr)  # compiled per row count
     q, q_offset, q_stride = q_view
@@ -620,22 +641,24 @@ def _dot_blocks(mr, depth, alpha, q_view, k_view, s_view, i, keys):
     for t in range(0, keys, step):
         key_dots(mr, depth, alpha, (q, q_offset + i * q_stride, q_stride),
                  (k, k_offset + t * k_stride, k_stride),
-                 (s, s_offset + i * s_stride + t, s_stride), min(step, keys - t))  # fmt: skip
+                 (s, s_offset + i * s_stride + t, s_stride), min(step, keys - t),
+                 ahead)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
-def scores_by_dots(depth, alpha, q_view, k_view, s_view, rows, keys):
-    """S[:rows, :keys] = alpha * Q K^T for query rows against key rows as they lie (views
-    and kinds as `key_dots`'), in blocks of 4 query rows by 4 keys, then 2 by 8, 1 by 16."""
+def scores_by_dots(depth, alpha, q_view, k_view, s_view, rows, keys, ahead=0):
+    """S[:rows, :keys] = alpha * Q K^T for query rows against key rows as they lie (views,
+    kinds and `ahead` as `key_dots`'), in blocks of 4 query rows by 4 keys, then 2 by 8, 1
+    by 16."""
     i = 0
     while rows - i >= 4:
-        _dot_blocks(4, depth, alpha, q_view, k_view, s_view, i, keys)
+        _dot_blocks(4, depth, alpha, q_view, k_view, s_view, i, keys, ahead)
         i += 4
     if rows - i >= 2:
-        _dot_blocks(2, depth, alpha, q_view, k_view, s_view, i, keys)
+        _dot_blocks(2, depth, alpha, q_view, k_view, s_view, i, keys, ahead)
         i += 2
     if rows - i == 1:
-        _dot_blocks(1, depth, alpha, q_view, k_view, s_view, i, keys)
+        _dot_blocks(1, depth, alpha, q_view, k_view, s_view, i, keys, ahead)
 
 
 @intrinsic
