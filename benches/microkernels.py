@@ -17,7 +17,8 @@ Products, a 128-row query tile against a 512-key tile as the forward walks them:
 
 And a decode step's products, a GQA group of 4 query rows against a tile of 192 keys, as
 `micro_kernel_tile` walks them: the scores by `scores_by_dots` on key rows as they lie, and
-acc += P V in chunks of 16 keys on values as they lie (a bf16 cache's widened); where bf16
+acc += P V in chunks of 16 keys on values as they lie (a bf16 cache's paired in registers
+for vdpbf16ps, as the step runs them, or widened for fp32 FMAs); where bf16
 runs on AMX, as `amx_tile` runs them: S^T = K Q^T with the key rows as they lie as A, and
 acc += P V with the tile's values packed in pairs first (the packing counted in).
 
@@ -136,13 +137,14 @@ def repeat_scores(reps, depth, q_view, k_view, s_view, rows, keys):
 
 
 @njit()
-def repeat_chunked_product(reps, p_view, v_view, acc_view, rows, keys, cols):
+def repeat_chunked_product(reps, p_view, v_view, acc_view, rows, keys, cols, pair):
+    """P V in 16-key chunks; pair 2: P's bf16 bits in pairs (uint32), V's rows paired."""
     p, p_offset, p_stride, p_depth_stride = p_view
     v, v_offset, v_stride, v_vector_stride = v_view
     for _ in range(reps):
         for c in range(0, keys, CHUNK):
-            tile_product(min(CHUNK, keys - c), np.float32(1.0), np.float32(1.0),
-                         (p, p_offset + c, p_stride, p_depth_stride),
+            tile_product(min(CHUNK, keys - c) // pair, np.float32(1.0), np.float32(1.0),
+                         (p, p_offset + c // pair, p_stride, p_depth_stride),
                          (v, v_offset + c * v_stride, v_stride, v_vector_stride), acc_view,
                          rows, cols)  # fmt: skip
 
@@ -337,11 +339,21 @@ def decode_products(dim, rounds):
         qk = median_seconds(repeated(repeat_scores, *score_args), reps, rounds)
         rows.append((f"decode QK^T ({DECODE_ROWS} rows, scores_by_dots)", dtype, flops, qk,
                      torch_mm(low(q), low(k).T)))  # fmt: skip
-        value_args = ((p.numpy(), 0, DECODE_KEYS, 1), (v_in, 0, dim, 16), (acc, 0, dim),
-                      DECODE_ROWS, DECODE_KEYS, dim)  # fmt: skip
-        pv = median_seconds(repeated(repeat_chunked_product, *value_args), reps, rounds)
-        name = "decode PV (16-key chunks" + (")" if pair == 1 else ", V widened)")
-        rows.append((name, dtype, flops, pv, torch_mm(low(p), low(v))))
+        p_forms = (
+            {"": p.numpy()}
+            if pair == 1
+            else {
+                ", V widened": p.bfloat16().float().numpy(),
+                ", V paired": bits(low(p)).view(np.uint32),
+            }
+        )
+        for form, p_in in p_forms.items():
+            step = 2 if p_in.dtype == np.uint32 else 1
+            value_args = ((p_in, 0, DECODE_KEYS // step, 1), (v_in, 0, dim, 16), (acc, 0, dim),
+                          DECODE_ROWS, DECODE_KEYS, dim, step)  # fmt: skip
+            pv = median_seconds(repeated(repeat_chunked_product, *value_args), reps, rounds)
+            rows.append((f"decode PV (16-key chunks{form})", dtype, flops, pv,
+                         torch_mm(low(p), low(v))))  # fmt: skip
     if peak_flops("amx") is None or dim % 32:
         return rows
     k16, v16, p16 = (bits(t.bfloat16()) for t in (k, v, p))

@@ -117,6 +117,29 @@ def test_widened_bf16_products_match_float64():
                 assert bool((error <= bound).all()), (rows, cols, depth)
 
 
+def test_paired_bf16_products_match_float64_and_write_only_their_columns():
+    """bf16 A in pairs along the depth (uint32) against B's bf16 rows as they lie (a cache's
+    values), each two rows paired in registers (vdpbf16ps, or two FMAs without it): every
+    row block, columns off the vectors (odd counts of 16, a lone last vector), fp32
+    accumulation onto C; columns past `cols` in a wider C stay as they were."""
+    gen = torch.Generator().manual_seed(5)
+    for rows in ROWS:
+        for cols in (*COLS, 31, 33, 48):
+            for depth in (2, 40, 60, 256):
+                a = torch.randn(rows, depth, generator=gen).bfloat16()
+                b = torch.randn(depth, cols, generator=gen).bfloat16()
+                c = torch.randn(rows, cols + 5, generator=gen)
+                out = c.numpy().copy()
+                a_view, b_view = (bits(a).view(np.uint32), 0, depth // 2, 1), (bits(b), 0, cols, 16)
+                tile_product(depth // 2, np.float32(0.5), np.float32(2.0), a_view, b_view,
+                             (out, 0, cols + 5), rows, cols)  # fmt: skip
+                exact = 0.5 * a.double() @ b.double() + 2.0 * c[:, :cols].double()
+                bound = 1e-6 * depth * (a.double().abs() @ b.double().abs() + 2) + 1e-30
+                error = (torch.from_numpy(out[:, :cols]).double() - exact).abs()
+                assert bool((error <= bound).all()), (rows, cols, depth)
+                assert np.array_equal(out[:, cols:], c[:, cols:].numpy()), (rows, cols, depth)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scores_by_dots_match_float64_and_stay_in_their_keys(dtype):
     """Query rows against key rows as they lie, every block shape (4 x 4, 2 x 8, 1 x 16)
@@ -143,7 +166,9 @@ def test_scores_by_dots_match_float64_and_stay_in_their_keys(dtype):
                 assert np.all(s[:, keys:] == -7.0), (dim, rows, keys)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16", "widened", "scores fp32", "scores bf16"])
+@pytest.mark.parametrize(
+    "kind", ["fp32", "bf16", "widened", "paired", "scores fp32", "scores bf16"]
+)
 def test_prefetching_ahead_changes_no_bit(kind):
     """`ahead` (the KV-cache walk's prefetch into L2 as each B or key row loads) runs
     a loop of its own: every micro-kernel kind and the scores' dot products give the same
@@ -168,6 +193,10 @@ def test_prefetching_ahead_changes_no_bit(kind):
                         steps = depth if dtype == torch.float32 else depth // 2
                         scores_by_dots(steps, np.float32(0.5), (a_np, 0, depth), (k, 0, depth),
                                        (out, 0, cols), rows, min(cols, 16), ahead)  # fmt: skip
+                    elif kind == "paired":
+                        a_pairs = a_np.view(np.uint32)
+                        product_into(depth // 2, (a_pairs, 0, depth // 2, 1), (b_np, 0, cols, 16),
+                                     (out, 0, cols), rows, cols, ahead)  # fmt: skip
                     elif kind == "bf16":
                         b_pairs = np.empty((depth // 2, 2 * cols), np.uint16)
                         pack_vnni(b_np, b_pairs)
@@ -481,3 +510,30 @@ def test_amx_branches_compile_on_targets_without_amx(tmp_path):
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["False", "True"]
+
+
+def test_paired_bf16_products_without_the_bf16_dot_product(tmp_path):
+    """Where the CPU has AVX-512 but no vdpbf16ps, a PAIRED product's pairs multiply in two
+    fp32 FMAs, the even depth (the first row of a pair) from the low halves: checked
+    against float64 in a fresh process for such a target (numba reads it at start-up)."""
+    script = (
+        "import numpy as np, torch\n"
+        "from attnperf.kernels.numba.microkernels import target_features, tile_product\n"
+        "assert 'avx512bf16' not in target_features()\n"
+        "gen = torch.Generator().manual_seed(6)\n"
+        "a = torch.randn(5, 40, generator=gen).bfloat16()\n"
+        "b = torch.randn(40, 59, generator=gen).bfloat16()\n"
+        "bits = lambda t: t.view(torch.int16).numpy().view(np.uint16)\n"
+        "out = np.zeros((5, 59), np.float32)\n"
+        "tile_product(20, np.float32(1.0), np.float32(0.0), (bits(a).view(np.uint32), 0, 20, 1),\n"
+        "             (bits(b), 0, 59, 16), (out, 0, 59), 5, 59)\n"
+        "exact = a.double() @ b.double()\n"
+        "bound = 1e-6 * 40 * (a.double().abs() @ b.double().abs()) + 1e-30\n"
+        "print(bool(((torch.from_numpy(out).double() - exact).abs() <= bound).all()))\n"
+    )
+    env = {**os.environ, "NUMBA_CPU_NAME": "skylake-avx512", "NUMBA_CACHE_DIR": str(tmp_path),
+           "NUMBA_CPU_FEATURES": "+avx2,+fma,+avx512f,+avx512bw,+avx512vl,+avx512dq"}  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True"]

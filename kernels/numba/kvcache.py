@@ -251,13 +251,18 @@ def tile_softmax(s, hk, q_len, cols, variant, b, j0, structure, acc, row_max, ro
 
 
 @njit(fastmath=FASTMATH)
-def round_to_bf16(s, rows, cols):
+def round_to_bf16(s, rows, cols, bits):
     """s[:rows, :cols] <- P rounded to bf16 and widened back (FlashAttention's practice
-    before P V: the products of the widened values are then those of bf16 tiles)."""
+    before P V: the products of the widened values are then those of bf16 tiles), and
+    bits[:rows, :cols] <- its bf16 bits where bits has rows (uint16; empty: none)."""
     for r in range(rows):
         row = s[r]
         for c in range(cols):
             row[c] = widen(to_bf16(row[c]))
+        if bits.shape[0]:
+            bits_row = bits[r]
+            for c in range(cols):
+                bits_row[c] = to_bf16(row[c])  # exact: rounded above
 
 
 @njit()
@@ -282,20 +287,21 @@ def page_offsets(pages, head_major, page, first_row):
 
 @njit(fastmath=FASTMATH)
 def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, cols, variant, b,
-                      q_len, j0, structure, scale2, s, acc, row_max, row_sum, shift,
+                      q_len, j0, structure, scale2, s, p_pairs, acc, row_max, row_sum, shift,
                       prefetch):  # fmt: skip
     """One key tile of every kv head on the micro-kernels, the group's query rows (q_rows
     (Hk, rows, E), fp32, or bf16 bits for a bf16 cache) as the rows of each product:
     S = Q K^T by `scores_by_dots` on the keys as they lie, the online softmax, then acc += P V
-    with the values read in place (bf16 ones widened in registers, P rounded to bf16 first).
+    with the values read in place (bf16 ones paired in registers, P rounded to bf16 first
+    and its bits kept in pairs in p_pairs (Hk, rows, W / 2) uint32; see chunked_values).
     Both products walk (16-key chunk, head) pairs in the order the page lies in memory
-    (`memory_order`); on row-major pages, with `prefetch`, each load of a key or value row
-    asks for the same head's row one chunk on into L2 (see `ahead_of`)."""
+    (`memory_order`); on row-major pages, with `prefetch`, each load of a key (value) row
+    asks for the same head's row one (two) chunks on into L2 (see `ahead_of`)."""
     kv_heads, rows, width = s.shape
     bf16 = k_pages.itemsize == 2  # bf16 bits (fp16 caches come converted to fp32)
     depth = q_rows.shape[2] // 2 if bf16 else q_rows.shape[2]
     k_at, k_head, k_row = page_offsets(k_pages, head_major, page, first_row)
-    ahead = ahead_of(prefetch, head_major, k_row)
+    ahead = ahead_of(prefetch, head_major, k_row, 1)
     chunks = (cols + LANES - 1) // LANES
     for item in range(chunks * kv_heads):
         c, hk = memory_order(item, chunks, kv_heads, head_major, LANES)
@@ -307,30 +313,35 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
         tile_softmax(s, hk, q_len, cols, variant, b, j0, structure, acc, row_max, row_sum,
                      shift)  # fmt: skip
         if bf16:
-            round_to_bf16(s[hk], rows, cols)
+            round_to_bf16(s[hk], rows, cols, p_pairs[hk].view(np.uint16))
     values = (v_pages, *page_offsets(v_pages, head_major, page, first_row))
-    chunked_values(s, values, head_major, cols, acc, prefetch)
+    chunked_values(s, p_pairs, values, head_major, cols, acc, prefetch)
 
 
 @njit()
-def ahead_of(prefetch, head_major, row):
-    """Elements from a key's row to the same head's row one 16-key chunk on, where the walk
-    prefetches (`prefetch` and row-major pages; `row`: elements between keys), else 0.
+def ahead_of(prefetch, head_major, row, chunks):
+    """Elements from a key's row to the same head's row `chunks` 16-key chunks on, where
+    the walk prefetches (`prefetch` and row-major pages; `row`: elements between keys),
+    else 0.
     Row-major pages are read a chunk at a time head by head, rows 2-4 KiB apart, a walk
     that Zen 4's prefetchers do not follow (a 64k-key bf16 step of 32/8 heads read at
     27-31% of the read bandwidth without). Asked for with each load, the lines are in
     L2 a chunk's work later, and no burst of prefetches waits on memory: blocks of 8
     keys, each first asking for its share of the next chunk (the walk's order before),
     ran 1.17-1.45x slower (2 threads, B = 1 and 4, 16k keys, both in one process)."""
-    return LANES * row if prefetch and not head_major else 0
+    return chunks * LANES * row if prefetch and not head_major else 0
 
 
 @njit(fastmath=FASTMATH)
-def chunked_values(p, values, head_major, cols, acc, prefetch):
+def chunked_values(p, p_pairs, values, head_major, cols, acc, prefetch):
     """acc[hk, :rows] += P V for every kv head hk, P (Hk, rows, W) in fp32 (a bf16 call's
     rounded to bf16), the values where they lie (values: (pages, offset of head 0's first
-    key, between heads, between keys); bf16 ones widened in registers), in (chunk, head)
-    pairs in memory order (`memory_order`). Head-major pages give rows that fit one
+    key, between heads, between keys)), in (chunk, head) pairs in memory order
+    (`memory_order`). bf16 values: with P's bits in pairs (p_pairs (Hk, rows, W / 2)
+    uint32), two keys' rows paired in registers for vdpbf16ps (PAIRED; an odd chunk's last
+    key as below); with p_pairs empty, widened in registers for fp32 FMAs on P (WIDENED:
+    twice the multiply-adds, 14.2 ns a key of 4 rows, E = 128, against PAIRED's 9.1-9.4;
+    one thread, Zen 4, a 16-key chunk in L1). Head-major pages give rows that fit one
     micro-kernel a head's whole tile at once: its accumulators stay in registers across the
     tile's keys (4 rows, 192-key tiles, bf16, Intel Xeon: 37 us against 68 per 2048 keys of
     2 heads). Otherwise 16-key chunks: more rows' values stay in L1 across the row blocks,
@@ -340,15 +351,26 @@ def chunked_values(p, values, head_major, cols, acc, prefetch):
     pages, v_at, v_head, v_row = values
     acc_rows, value_dim = acc.shape[1], acc.shape[2]
     span = cols if head_major and rows <= BLOCK_ROWS else LANES
-    ahead = ahead_of(prefetch, head_major, v_row)
+    # Two chunks on: with bf16 values paired, one chunk on read 5% slower from memory (2
+    # threads, 16k keys, B = 1 and 4; fp32 alike either way).
+    ahead = ahead_of(prefetch, head_major, v_row, 2)
     chunks = (cols + span - 1) // span
     for item in range(chunks * kv_heads):
         c, hk = memory_order(item, chunks, kv_heads, head_major, span)
         acc_view = (acc, hk * acc_rows * value_dim, value_dim)
-        p_view = (p, hk * rows * width + c, width, 1)
+        keys = min(span, cols - c)
         v_view = (pages, v_at + hk * v_head + c * v_row, v_row, LANES)
-        tile_product(min(span, cols - c), ONE, ONE, p_view, v_view, acc_view, rows, value_dim,
-                     ahead)  # fmt: skip
+        paired = keys // 2 * 2 if p_pairs.shape[0] else 0
+        if paired:
+            pair_row = p_pairs.shape[2]
+            pairs_view = (p_pairs, (hk * rows * pair_row) + c // 2, pair_row, 1)
+            tile_product(paired // 2, ONE, ONE, pairs_view, v_view, acc_view, rows, value_dim,
+                         ahead)  # fmt: skip
+        if paired < keys:
+            p_view = (p, hk * rows * width + c + paired, width, 1)
+            v_view = (pages, v_at + hk * v_head + (c + paired) * v_row, v_row, LANES)
+            tile_product(keys - paired, ONE, ONE, p_view, v_view, acc_view, rows, value_dim,
+                         ahead)  # fmt: skip
 
 
 @njit()
@@ -467,7 +489,7 @@ def amx_tile(q_pairs, k_pages, v_pages, head_major, page, first_row, cols, varia
         if not values_on_amx:
             online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk], row_sum[hk],
                                    shift[hk])  # fmt: skip
-            round_to_bf16(s[hk], rows, cols)
+            round_to_bf16(s[hk], rows, cols, np.empty((0, 0), np.uint16))
             continue
         p_head = p16[hk * tile_rows : (hk + 1) * tile_rows]
         # P's columns past cols keep an earlier tile's probabilities: finite, against the
@@ -476,7 +498,8 @@ def amx_tile(q_pairs, k_pages, v_pages, head_major, page, first_row, cols, varia
                                row_sum[hk], shift[hk])  # fmt: skip
     values = (v_pages, *page_offsets(v_pages, head_major, page, first_row))
     if not values_on_amx:
-        chunked_values(s, values, head_major, cols, acc, 0)
+        no_pairs = np.empty((0, 0, 0), np.uint32)  # P V on widened values, as measured there
+        chunked_values(s, no_pairs, values, head_major, cols, acc, False)
         return
     pack_value_pairs(values, head_major, cols, heads, v_pairs)
     pair_rows = v_pairs.shape[0] // heads
@@ -558,6 +581,8 @@ def kvcache_split(
     width = min(whole_tiles(block_n), whole_tiles(max(hi - lo, 0)))
     queries = amx_query_pairs(q_rows[slot], whole_tiles(rows)) if kind == AMX else q_rows[slot]
     s = np.empty((kv_heads, rows, width), np.float32)
+    p_pairs = np.empty((kv_heads, rows, (width + 1) // 2) if kind == BF16 else (0, 0, 0),
+                       np.uint32)  # fmt: skip
     tile_rows = whole_tiles(rows) if kind == AMX else rows
     acc = aligned_empty(kv_heads * tile_rows, value_dim, s)
     acc[:] = 0
@@ -583,8 +608,8 @@ def kvcache_split(
                 continue
             if kind != LOOPS:
                 micro_kernel_tile(queries, k_pages, v_pages, head_major, page, first_row, cols,
-                                  variant, b, q_len, j0, structure, scale2, s, acc, row_max,
-                                  row_sum, shift, prefetch)  # fmt: skip
+                                  variant, b, q_len, j0, structure, scale2, s, p_pairs, acc,
+                                  row_max, row_sum, shift, prefetch)  # fmt: skip
                 continue
             if k_scales.shape[0]:
                 quantized_scores(queries, k_pages[page], k_scales[page], first_row, cols, s,

@@ -56,7 +56,16 @@ BLOCK_ROWS = 6  # rows of accumulators a micro-kernel holds
 # tile_product's alpha and beta where they are constants: float32 at every call, so that
 # one compiled kernel serves them all.
 ONE, ZERO = np.float32(1.0), np.float32(0.0)
-FP32, BF16, WIDENED = 0, 1, 2  # the products' kinds (WIDENED: fp32 A, bf16 B widened)
+# The products' kinds (`micro_kernel`): WIDENED fp32 A, bf16 B widened; PAIRED bf16 A in
+# pairs, B's bf16 rows as they lie, paired in registers.
+FP32, BF16, WIDENED, PAIRED = 0, 1, 2, 3
+# A PAIRED product's accumulators: vpunpck{l,h}wd pair two rows' words within each 128-bit
+# lane, so the low one holds columns 0-3, 8-11, 16-19, 24-27 of 32 and the high one the
+# rest; these put 16 columns back in order from the two (lanes 16-31: the high one's).
+UNPACKED_ORDER = (
+    [0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23],
+    [8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31],
+)
 
 
 def target_features() -> frozenset[str]:
@@ -181,7 +190,7 @@ class _Emitter:
         self.i32x16 = ir.VectorType(ir.IntType(32), LANES)
         self.fma = _function(builder, "llvm.fma.v16f32", self.f32x16, [self.f32x16] * 3)
         self.has_bf16 = has_bf16
-        if kind == BF16 and has_bf16:
+        if kind in (BF16, PAIRED) and has_bf16:
             bf16x32 = ir.VectorType(_BFloat(), 2 * LANES)
             self.bf16x32 = bf16x32
             self.dot = _function(
@@ -223,7 +232,7 @@ class _Emitter:
     def a_operand(self, pointer):
         """A's element (fp32) or depth pair (bf16, as an i32) in every lane."""
         builder = self.builder
-        if self.kind != BF16:
+        if self.kind not in (BF16, PAIRED):
             return _splat(builder, builder.load(pointer), self.f32x16)
         pair = builder.load(builder.bitcast(pointer, ir.IntType(32).as_pointer()), align=2)
         return _splat(builder, pair, self.i32x16)
@@ -239,7 +248,7 @@ class _Emitter:
 
     def multiply_add(self, acc, a, b):
         builder = self.builder
-        if self.kind != BF16:
+        if self.kind not in (BF16, PAIRED):
             return builder.call(self.fma, [a, b, acc])
         if self.has_bf16:
             a, b = builder.bitcast(a, self.bf16x32), builder.bitcast(b, self.bf16x32)
@@ -308,12 +317,15 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
     """C[i, j] = alpha * sum_d A[i, d] B[d, j] + beta * C[i, j] for i < mr, j < cols <=
     16 nv (mr and nv literal; beta = 0 never reads C), fp32 for float32 A and B, bf16 for
     uint16 ones, and for a float32 A with a uint16 B (a bf16 cache's values as they lie)
-    fp32 FMAs on B widened in registers. Views count elements:
+    fp32 FMAs on B widened in registers; for a uint32 A with a uint16 B, bf16 (PAIRED: A's
+    elements bf16 pairs, the even depth low; B's rows bf16 as they lie, rows 2 d and 2 d + 1
+    interleaved in registers; the depth counts pairs of B rows). Views count elements:
 
     - a_view (a, offset, row_stride, depth_stride): A[i, d] = a[offset + i row_stride +
       d depth_stride]; for bf16 d counts pairs: the pair at 2 d depth_stride (stride 1).
     - b_view (b, offset, row_stride, vector_stride): B[d, j] = b[offset + d row_stride +
-      (j // 16) vector_stride + j % 16] (bf16: the pair at 2 (j % 16)).
+      (j // 16) vector_stride + j % 16] (bf16: the pair at 2 (j % 16); PAIRED: B row 2 d
+      + h at offset + (2 d + h) row_stride, vector_stride 16).
     - c_view (c, offset, row_stride): C[i, j] = c[offset + i row_stride + j].
 
     With AVX-512 and `ahead` != 0, each B row's lines `ahead` elements on are asked for
@@ -330,9 +342,12 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
     rows, vectors = mr.literal_value, nv.literal_value
     a_dtype, b_dtype = a_view[0].dtype, b_view[0].dtype
     kind_value = {(types.float32, types.float32): FP32, (types.uint16, types.uint16): BF16,
-                  (types.float32, types.uint16): WIDENED}.get((a_dtype, b_dtype))  # fmt: skip
+                  (types.float32, types.uint16): WIDENED,
+                  (types.uint32, types.uint16): PAIRED}.get((a_dtype, b_dtype))  # fmt: skip
+    # Callers that never prefetch leave `ahead` out (a default): no second loop compiled.
+    prefetches = not isinstance(ahead, types.Omitted)
     sig = types.void(mr, nv, types.intp, types.float32, types.float32, a_view, b_view, c_view,
-                     types.intp, types.intp)  # fmt: skip
+                     types.intp, types.intp if prefetches else ahead)  # fmt: skip
     has_bf16 = "avx512bf16" in target_features()
     most_vectors = panel_vectors()
 
@@ -356,6 +371,8 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
         # The last vector's lanes: those below cols - 16 (nv - 1).
         count = builder.trunc(builder.sub(cols, constant(LANES * (vectors - 1))), _i32(0).type)
         mask = _lanes_below(builder, count)
+        # PAIRED loads 32 columns of a row at once: the last two vectors' lanes.
+        pair_mask = _lanes_below(builder, builder.add(count, _i32(LANES)), 2 * LANES)
         emit = _Emitter(builder, kind_value, mask, has_bf16)
         zero = ir.Constant(emit.f32x16, None)
         a_step = builder.mul(a_depth_stride, constant(2 if kind_value == BF16 else 1))
@@ -363,23 +380,72 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
         beta_vector = _splat(builder, beta, emit.f32x16)
         reads_c = builder.fcmp_ordered("!=", beta, ir.Constant(ir.FloatType(), 0.0))
 
+        def prefetch_ahead_of(at):
+            emit_prefetch(builder, builder.gep(b_data, [builder.add(at, ahead)]), 2)
+
+        def b_operands(d, masked, prefetching):
+            """B's vectors at depth d (PAIRED: the two rows' pairs in unpacked order)."""
+            if kind_value == PAIRED:
+                return paired_operands(d, masked, prefetching)
+            b_row = builder.add(b_offset, builder.mul(d, b_row_stride))
+            b_vectors = []
+            for j in range(vectors):
+                at = builder.add(b_row, builder.mul(constant(j), b_vector_stride))
+                b_vectors.append(
+                    emit.b_operand(builder.gep(b_data, [at]), masked and j == vectors - 1)
+                )
+                # A widened B vector is half a line: one prefetch a pair of them.
+                if prefetching and (kind_value != WIDENED or j % 2 == 0):
+                    prefetch_ahead_of(at)
+            return b_vectors
+
+        def paired_operands(d, masked, prefetching):
+            rows_at = [builder.add(b_offset, builder.mul(builder.add(builder.mul(d, constant(2)),
+                                                                     constant(h)), b_row_stride))
+                       for h in (0, 1)]  # fmt: skip
+            b_vectors = []
+            for j in range(0, vectors, 2):
+                last = masked and j + 2 >= vectors
+                halves = []
+                for row_at in rows_at:
+                    at = builder.add(row_at, constant(LANES * j))
+                    lanes = 2 * LANES if j + 1 < vectors else LANES
+                    emit.mask = pair_mask if lanes > LANES else mask
+                    words = ir.VectorType(ir.IntType(16), lanes)
+                    halves.append(emit.load(builder.gep(b_data, [at]), words, last))
+                    if prefetching:
+                        prefetch_ahead_of(at)
+                emit.mask = mask
+                if j + 1 < vectors:
+                    for part in (range(4), range(4, 8)):  # vpunpcklwd, vpunpckhwd
+                        order = [h * 2 * LANES + 8 * lane + k for lane in range(4) for k in part
+                                 for h in (0, 1)]  # fmt: skip
+                        b_vectors.append(_shuffle_words(builder, *halves, order, emit.i32x16))
+                else:  # a last lone vector: its 16 columns paired in order
+                    order = [h * LANES + k for k in range(LANES) for h in (0, 1)]
+                    b_vectors.append(_shuffle_words(builder, *halves, order, emit.i32x16))
+            return b_vectors
+
+        def in_order(accumulators):
+            """A PAIRED product's accumulators of a row with their columns in order."""
+            if kind_value != PAIRED:
+                return accumulators
+            ordered = []
+            for j in range(0, vectors, 2):
+                if j + 1 == vectors:
+                    ordered.append(accumulators[j])
+                    continue
+                low, high = accumulators[j], accumulators[j + 1]
+                ordered += [_shuffle(builder, low, high, lanes) for lanes in UNPACKED_ORDER]
+            return ordered
+
         def block_product(masked, prefetching=False):
             """The depth loop and C's update; the last vector's loads masked or not, B's
             lines `ahead` on prefetched or not."""
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
                     for _ in range(rows)]  # fmt: skip
             with rolled_loop(builder, depth) as d:
-                b_row = builder.add(b_offset, builder.mul(d, b_row_stride))
-                b_vectors = []
-                for j in range(vectors):
-                    at = builder.add(b_row, builder.mul(constant(j), b_vector_stride))
-                    b_vectors.append(
-                        emit.b_operand(builder.gep(b_data, [at]), masked and j == vectors - 1)
-                    )
-                    # A widened B vector is half a line: one prefetch a pair of them.
-                    if prefetching and (kind_value != WIDENED or j % 2 == 0):
-                        ahead_at = builder.gep(b_data, [builder.add(at, ahead)])
-                        emit_prefetch(builder, ahead_at, 2)
+                b_vectors = b_operands(d, masked, prefetching)
                 a_at = builder.add(a_offset, builder.mul(d, a_step))
                 for i in range(rows):
                     at = builder.add(a_at, builder.mul(constant(i), a_row_stride))
@@ -389,10 +455,11 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
                         builder.store(emit.multiply_add(acc, a_value, b_vectors[j]), accs[i][j])
             for i in range(rows):
                 c_row = builder.add(c_offset, builder.mul(constant(i), c_row_stride))
+                sums = in_order([builder.load(acc) for acc in accs[i]])
                 for j in range(vectors):
                     last = masked and j == vectors - 1
                     pointer = builder.gep(c_data, [builder.add(c_row, constant(LANES * j))])
-                    value = builder.fmul(builder.load(accs[i][j]), alpha_vector)
+                    value = builder.fmul(sums[j], alpha_vector)
                     with builder.if_else(reads_c) as (then, otherwise):
                         with then:
                             old = emit.load(pointer, emit.f32x16, last)
@@ -402,6 +469,9 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
                         with otherwise:
                             emit.store(value, pointer, last)
 
+        if most_vectors > 1 and not prefetches:
+            block_product(masked=True)
+            return context.get_dummy_value()
         if most_vectors > 1:  # AVX-512: masks are free, in registers of their own
             with builder.if_else(builder.icmp_signed("!=", ahead, constant(0))) as (on, off):
                 with on:
@@ -536,7 +606,9 @@ def key_dots(typingctx, mr, depth, alpha, q_view, k_view, s_view, keys, ahead):
     rows = mr.literal_value
     key_block = KEY_BLOCKS[rows]
     kind_value = FP32 if q_view[0].dtype == types.float32 else BF16
-    sig = types.void(mr, types.intp, types.float32, q_view, k_view, s_view, types.intp, types.intp)
+    prefetches = not isinstance(ahead, types.Omitted)  # as micro_kernel's
+    sig = types.void(mr, types.intp, types.float32, q_view, k_view, s_view, types.intp,
+                     types.intp if prefetches else ahead)  # fmt: skip
     has_bf16 = "avx512bf16" in target_features()
 
     def codegen(context, builder, signature, args):
@@ -582,11 +654,15 @@ def key_dots(typingctx, mr, depth, alpha, q_view, k_view, s_view, keys, ahead):
                     builder.store(emit.multiply_add(acc, queries[i], key), accs[i][t])
 
         whole = builder.sdiv(depth, constant(LANES))
-        with builder.if_else(builder.icmp_signed("!=", ahead, constant(0))) as (on, off):
-            for branch, prefetching in ((on, True), (off, False)):
-                with branch, rolled_loop(builder, whole) as d:
-                    depth_step(builder.mul(builder.mul(d, constant(LANES)), unit), None,
-                               prefetching)  # fmt: skip
+        if not prefetches:
+            with rolled_loop(builder, whole) as d:
+                depth_step(builder.mul(builder.mul(d, constant(LANES)), unit), None)
+        else:
+            with builder.if_else(builder.icmp_signed("!=", ahead, constant(0))) as (on, off):
+                for branch, prefetching in ((on, True), (off, False)):
+                    with branch, rolled_loop(builder, whole) as d:
+                        depth_step(builder.mul(builder.mul(d, constant(LANES)), unit), None,
+                                   prefetching)  # fmt: skip
         left = builder.trunc(builder.srem(depth, constant(LANES)), ir.IntType(32))
         with builder.if_then(builder.icmp_signed(">", left, _i32(0))):
             at = builder.mul(builder.mul(whole, constant(LANES)), unit)
@@ -999,6 +1075,13 @@ def _shuffle(builder, a, b, lanes):
     return builder.shuffle_vector(
         a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes)
     )
+
+
+def _shuffle_words(builder, a, b, words, vector_type):
+    """Words (i16 lanes) of a, then b, in the order `words` (indices into the two joined),
+    as a vector of `vector_type`."""
+    joined = ir.Constant(ir.VectorType(ir.IntType(32), len(words)), words)
+    return builder.bitcast(builder.shuffle_vector(a, b, joined), vector_type)
 
 
 def _transpose_quadrants(builder, src_view, rows, cols, dst_view, unit):
