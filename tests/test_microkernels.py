@@ -474,6 +474,17 @@ def assert_results_and_gradients_agree(call):
         assert_agrees(actual, results["exact"][what], results["baseline"][what], what=what)
 
 
+def run_for_target(script: str, cpu_name: str, features: str, tmp_path) -> list[str]:
+    """The words `script` prints, run in a fresh process whose numba target is `cpu_name`
+    with `features` (numba reads its target at start-up)."""
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu_name, "NUMBA_CPU_FEATURES": features,
+           "NUMBA_CACHE_DIR": str(tmp_path)}  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.split()
+
+
 def test_peaks_follow_the_target(tmp_path):
     """On AVX2 code paths the fp32 peak loop is 8 lanes wide (16 would spill) and there is
     no bf16 dot peak; a fresh process, since numba reads its target at start-up."""
@@ -481,12 +492,7 @@ def test_peaks_follow_the_target(tmp_path):
         "from attnperf.kernels.numba.microkernels import fma_lanes, peak_flops\n"
         "print(fma_lanes(), peak_flops('fp32', 0.05) > 1e9, peak_flops('bf16'))\n"
     )
-    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+fma",
-           "NUMBA_CACHE_DIR": str(tmp_path)}  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["8", "True", "None"]
+    assert run_for_target(script, "haswell", "+avx2,+fma", tmp_path) == ["8", "True", "None"]
 
 
 def test_amx_branches_compile_on_targets_without_amx(tmp_path):
@@ -504,12 +510,8 @@ def test_amx_branches_compile_on_targets_without_amx(tmp_path):
         "asm = maybe_zero.inspect_asm(maybe_zero.signatures[0])\n"
         "print('tilezero' in asm, 'ud2' in asm)\n"
     )
-    env = {**os.environ, "NUMBA_CPU_NAME": "cooperlake", "NUMBA_CACHE_DIR": str(tmp_path),
-           "NUMBA_CPU_FEATURES": "+avx2,+fma,+avx512f,+avx512bw,+avx512vl,+avx512bf16"}  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["False", "True"]
+    features = "+avx2,+fma,+avx512f,+avx512bw,+avx512vl,+avx512bf16"
+    assert run_for_target(script, "cooperlake", features, tmp_path) == ["False", "True"]
 
 
 def test_paired_bf16_products_without_the_bf16_dot_product(tmp_path):
@@ -531,9 +533,5 @@ def test_paired_bf16_products_without_the_bf16_dot_product(tmp_path):
         "bound = 1e-6 * 40 * (a.double().abs() @ b.double().abs()) + 1e-30\n"
         "print(bool(((torch.from_numpy(out).double() - exact).abs() <= bound).all()))\n"
     )
-    env = {**os.environ, "NUMBA_CPU_NAME": "skylake-avx512", "NUMBA_CACHE_DIR": str(tmp_path),
-           "NUMBA_CPU_FEATURES": "+avx2,+fma,+avx512f,+avx512bw,+avx512vl,+avx512dq"}  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["True"]
+    features = "+avx2,+fma,+avx512f,+avx512bw,+avx512vl,+avx512dq"
+    assert run_for_target(script, "skylake-avx512", features, tmp_path) == ["True"]
