@@ -295,13 +295,13 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
     with the values read in place (bf16 ones paired in registers, P rounded to bf16 first
     and its bits kept in pairs in p_pairs (Hk, rows, W / 2) uint32; see chunked_values).
     Both products walk (16-key chunk, head) pairs in the order the page lies in memory
-    (`memory_order`); on row-major pages, with `prefetch`, each load of a key (value) row
-    asks for the same head's row one (two) chunks on into L2 (see `ahead_of`)."""
+    (`memory_order`); with `prefetch`, each load of a key (value) row asks for the same
+    head's row one (two) chunks on into L2 (see `ahead_of`)."""
     kv_heads, rows, width = s.shape
     bf16 = k_pages.itemsize == 2  # bf16 bits (fp16 caches come converted to fp32)
     depth = q_rows.shape[2] // 2 if bf16 else q_rows.shape[2]
     k_at, k_head, k_row = page_offsets(k_pages, head_major, page, first_row)
-    ahead = ahead_of(prefetch, head_major, k_row, 1)
+    ahead = ahead_of(prefetch, k_row, 1)
     chunks = (cols + LANES - 1) // LANES
     for item in range(chunks * kv_heads):
         c, hk = memory_order(item, chunks, kv_heads, head_major, LANES)
@@ -319,17 +319,18 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
 
 
 @njit()
-def ahead_of(prefetch, head_major, row, chunks):
-    """Elements from a key's row to the same head's row `chunks` 16-key chunks on, where
-    the walk prefetches (`prefetch` and row-major pages; `row`: elements between keys),
-    else 0.
-    Row-major pages are read a chunk at a time head by head, rows 2-4 KiB apart, a walk
-    that Zen 4's prefetchers do not follow (a 64k-key bf16 step of 32/8 heads read at
-    27-31% of the read bandwidth without). Asked for with each load, the lines are in
-    L2 a chunk's work later, and no burst of prefetches waits on memory: blocks of 8
-    keys, each first asking for its share of the next chunk (the walk's order before),
-    ran 1.17-1.45x slower (2 threads, B = 1 and 4, 16k keys, both in one process)."""
-    return chunks * LANES * row if prefetch and not head_major else 0
+def ahead_of(prefetch, row, chunks):
+    """Elements from a key's row to the same head's row `chunks` 16-key chunks on where the
+    walk prefetches (`prefetch`; `row`: elements between keys), else 0. Zen 4's
+    prefetchers do not follow the walk: row-major pages are read a chunk at a time head by
+    head, rows 2-4 KiB apart (a 64k-key bf16 step of 32/8 heads read at 27-31% of the read
+    bandwidth without), and head-major ones stop them at each 4 KiB page, 8-16 of a head's
+    keys (16k keys, 32/8 heads, 2 threads, both in one process: fp32 12.8-18.3 GB/s
+    without, 21.9-32.8 with; bf16 16.8-18.7 and 23.9-29.1). Asked for with each load, the
+    lines are in L2 a chunk's work later, and no burst of prefetches waits on memory:
+    blocks of 8 keys, each first asking for its share of the next chunk (the walk's order
+    before), ran 1.17-1.45x slower (row-major, B = 1 and 4)."""
+    return chunks * LANES * row if prefetch else 0
 
 
 @njit(fastmath=FASTMATH)
@@ -346,14 +347,14 @@ def chunked_values(p, p_pairs, values, head_major, cols, acc, prefetch):
     tile's keys (4 rows, 192-key tiles, bf16, Intel Xeon: 37 us against 68 per 2048 keys of
     2 heads). Otherwise 16-key chunks: more rows' values stay in L1 across the row blocks,
     and row-major pages are read across their heads (a head at a time, a 16k-key step of
-    32/8 heads ran 1.5x slower), with `prefetch` as `micro_kernel_tile` reads the keys."""
+    32/8 heads ran 1.5x slower); `prefetch` as `micro_kernel_tile`'s."""
     kv_heads, rows, width = p.shape
     pages, v_at, v_head, v_row = values
     acc_rows, value_dim = acc.shape[1], acc.shape[2]
     span = cols if head_major and rows <= BLOCK_ROWS else LANES
     # Two chunks on: with bf16 values paired, one chunk on read 5% slower from memory (2
     # threads, 16k keys, B = 1 and 4; fp32 alike either way).
-    ahead = ahead_of(prefetch, head_major, v_row, 2)
+    ahead = ahead_of(prefetch, v_row, 2)
     chunks = (cols + span - 1) // span
     for item in range(chunks * kv_heads):
         c, hk = memory_order(item, chunks, kv_heads, head_major, span)
@@ -761,8 +762,8 @@ MIN_SPLIT_KEYS = 256
 
 @functools.cache
 def prefetches() -> bool:
-    """Whether a step's walk over row-major pages prefetches the next chunk (`ahead_of`):
-    on AMD's CPUs. Zen 4, 2 threads, 16k keys, 32/8 heads, E = 128, fp32 and bf16 caches
+    """Whether a step's walk on the micro-kernels prefetches ahead (`ahead_of`): on AMD's
+    CPUs. Zen 4, 2 threads, 16k keys, 32/8 heads, E = 128, row-major fp32 and bf16 caches
     at B = 1 and 4, in one process (a read probe of 29-30 GB/s): 17.5-19.7 / 10.8-12.2
     GB/s without, 23.2-25.3 / 23.1-26.1 with. Intel's prefetchers follow the walk on their
     own (95-98% of the read bandwidth on a Xeon): not measured there with it, so it stays
