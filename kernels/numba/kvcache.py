@@ -329,7 +329,7 @@ def ahead_of(prefetch, row, chunks):
     without, 21.9-32.8 with; bf16 16.8-18.7 and 23.9-29.1). Asked for with each load, the
     lines are in L2 a chunk's work later, and no burst of prefetches waits on memory:
     blocks of 8 keys, each first asking for its share of the next chunk (the walk's order
-    before), ran 1.17-1.45x slower (row-major, B = 1 and 4)."""
+    before), ran 1.14-1.46x slower (row-major, B = 1 and 4)."""
     return chunks * LANES * row if prefetch else 0
 
 
