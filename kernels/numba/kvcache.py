@@ -475,6 +475,7 @@ def amx_tile(q_pairs, k_pages, v_pages, head_major, page, first_row, cols, varia
     amx_key_scores(q_pairs, keys, head_major, cols, k_tail, st)
     per_head = st.shape[0] // heads
     values_on_amx = rows >= AMX_VALUES_MIN_ROWS
+    no_bits = np.empty((0, 0), np.uint16)  # P V on widened values below: no pairs kept
     for hk in range(heads):
         for c in range(0, cols, TILE_ROWS):
             for r in range(0, rows, TILE_ROWS):
@@ -490,7 +491,7 @@ def amx_tile(q_pairs, k_pages, v_pages, head_major, page, first_row, cols, varia
         if not values_on_amx:
             online_softmax_rescale(s[hk], rows, cols, acc[hk], row_max[hk], row_sum[hk],
                                    shift[hk])  # fmt: skip
-            round_to_bf16(s[hk], rows, cols, np.empty((0, 0), np.uint16))
+            round_to_bf16(s[hk], rows, cols, no_bits)
             continue
         p_head = p16[hk * tile_rows : (hk + 1) * tile_rows]
         # P's columns past cols keep an earlier tile's probabilities: finite, against the
@@ -499,7 +500,7 @@ def amx_tile(q_pairs, k_pages, v_pages, head_major, page, first_row, cols, varia
                                row_sum[hk], shift[hk])  # fmt: skip
     values = (v_pages, *page_offsets(v_pages, head_major, page, first_row))
     if not values_on_amx:
-        no_pairs = np.empty((0, 0, 0), np.uint32)  # P V on widened values, as measured there
+        no_pairs = np.empty((0, 0, 0), np.uint32)  # widened values, as measured on AMX CPUs
         chunked_values(s, no_pairs, values, head_major, cols, acc, False)
         return
     pack_value_pairs(values, head_major, cols, heads, v_pairs)

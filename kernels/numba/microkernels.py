@@ -265,6 +265,20 @@ class _Emitter:
         return acc
 
 
+def _with_prefetching(builder, prefetches, ahead, emit_loop):
+    """emit_loop(prefetching): once without prefetching where the caller leaves `ahead` out
+    (`prefetches` false), else twice behind a run-time test of ahead != 0 (the loop that
+    prefetches B's or the keys' lines `ahead` elements on, and the one that does not)."""
+    if not prefetches:
+        emit_loop(False)
+        return
+    nonzero = builder.icmp_signed("!=", ahead, ir.Constant(ahead.type, 0))
+    with builder.if_else(nonzero) as (on, off):
+        for branch, prefetching in ((on, True), (off, False)):
+            with branch:
+                emit_loop(prefetching)
+
+
 @contextlib.contextmanager
 def rolled_loop(builder, count):
     """for index in range(count), as a loop that LLVM must not unroll: unrolled twice, a
@@ -416,14 +430,14 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
                     if prefetching:
                         prefetch_ahead_of(at)
                 emit.mask = mask
-                if j + 1 < vectors:
-                    for part in (range(4), range(4, 8)):  # vpunpcklwd, vpunpckhwd
-                        order = [h * 2 * LANES + 8 * lane + k for lane in range(4) for k in part
-                                 for h in (0, 1)]  # fmt: skip
-                        b_vectors.append(_shuffle_words(builder, *halves, order, emit.i32x16))
+                if j + 1 < vectors:  # vpunpcklwd, vpunpckhwd: words (lanes) of the two rows
+                    orders = [[h * 2 * LANES + 8 * lane + k for lane in range(4) for k in part
+                               for h in (0, 1)] for part in (range(4), range(4, 8))]  # fmt: skip
                 else:  # a last lone vector: its 16 columns paired in order
-                    order = [h * LANES + k for k in range(LANES) for h in (0, 1)]
-                    b_vectors.append(_shuffle_words(builder, *halves, order, emit.i32x16))
+                    orders = [[h * LANES + k for k in range(LANES) for h in (0, 1)]]
+                for order in orders:
+                    pairs = _shuffle(builder, *halves, order)
+                    b_vectors.append(builder.bitcast(pairs, emit.i32x16))
             return b_vectors
 
         def in_order(accumulators):
@@ -469,15 +483,9 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
                         with otherwise:
                             emit.store(value, pointer, last)
 
-        if most_vectors > 1 and not prefetches:
-            block_product(masked=True)
-            return context.get_dummy_value()
         if most_vectors > 1:  # AVX-512: masks are free, in registers of their own
-            with builder.if_else(builder.icmp_signed("!=", ahead, constant(0))) as (on, off):
-                with on:
-                    block_product(masked=True, prefetching=True)
-                with off:
-                    block_product(masked=True)
+            _with_prefetching(builder, prefetches, ahead,
+                              lambda prefetching: block_product(True, prefetching))  # fmt: skip
             return context.get_dummy_value()
         # Without AVX-512, whole panels load unmasked: on AVX2 (Zen 3) the masked loads
         # (vmaskmovps), and the mask spilled for want of a 17th register, held the 6 x 16
@@ -654,15 +662,12 @@ def key_dots(typingctx, mr, depth, alpha, q_view, k_view, s_view, keys, ahead):
                     builder.store(emit.multiply_add(acc, queries[i], key), accs[i][t])
 
         whole = builder.sdiv(depth, constant(LANES))
-        if not prefetches:
+
+        def depth_loop(prefetching):
             with rolled_loop(builder, whole) as d:
-                depth_step(builder.mul(builder.mul(d, constant(LANES)), unit), None)
-        else:
-            with builder.if_else(builder.icmp_signed("!=", ahead, constant(0))) as (on, off):
-                for branch, prefetching in ((on, True), (off, False)):
-                    with branch, rolled_loop(builder, whole) as d:
-                        depth_step(builder.mul(builder.mul(d, constant(LANES)), unit), None,
-                                   prefetching)  # fmt: skip
+                depth_step(builder.mul(builder.mul(d, constant(LANES)), unit), None, prefetching)
+
+        _with_prefetching(builder, prefetches, ahead, depth_loop)
         left = builder.trunc(builder.srem(depth, constant(LANES)), ir.IntType(32))
         with builder.if_then(builder.icmp_signed(">", left, _i32(0))):
             at = builder.mul(builder.mul(whole, constant(LANES)), unit)
@@ -1071,17 +1076,10 @@ def _transpose_16x16(builder, rows):
 
 
 def _shuffle(builder, a, b, lanes):
-    """Lane i of the result: lane lanes[i] of a, or of b for lanes[i] >= len(lanes)."""
+    """Lane i of the result: lane lanes[i] of a, or lane lanes[i] - len(a) of b."""
     return builder.shuffle_vector(
         a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes)
     )
-
-
-def _shuffle_words(builder, a, b, words, vector_type):
-    """Words (i16 lanes) of a, then b, in the order `words` (indices into the two joined),
-    as a vector of `vector_type`."""
-    joined = ir.Constant(ir.VectorType(ir.IntType(32), len(words)), words)
-    return builder.bitcast(builder.shuffle_vector(a, b, joined), vector_type)
 
 
 def _transpose_quadrants(builder, src_view, rows, cols, dst_view, unit):
