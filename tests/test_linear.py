@@ -210,6 +210,30 @@ def test_forward_keeps_its_chunks_for_the_backward_within_its_budget(backend, mo
     assert launch(inputs, True)[2] == ()
 
 
+@pytest.mark.skipif("numba" not in BACKENDS, reason="numba is unavailable")
+def test_numba_keeps_its_chunks_in_the_memory_an_earlier_backward_freed(monkeypatch):
+    """numba's kept chunks are recycled memory: a forward whose predecessor's chunks are all
+    freed keeps its own in their memory (never while they live), and gradients stay right
+    on memory the last call left."""
+    linear = sys.modules[dispatch.registry()["numba"].linear_forward.__module__]
+    launch = sys.modules[linear.recycled_float32.__module__]
+    monkeypatch.setattr(launch, "RECYCLED_MIN_BYTES", 64)  # the cases' chunks are small
+    monkeypatch.setattr(launch, "_SPARE", {})
+    monkeypatch.setattr(launch, "_SPARE_BYTES", [0])
+    case = Case(steps=20, gate="scalar", delta=True, initial_state=True)
+    call = make(case, device="cpu")
+    inputs = attnperf.linear_inputs.prepare_linear(**call["tensors"], **call["keywords"])
+    forward = dispatch.registry()["numba"].linear_forward
+    kept = forward(inputs, True)[2]
+    addresses = sorted(t.data_ptr() for t in kept)
+    held = forward(inputs, True)[2]
+    assert not set(addresses) & {t.data_ptr() for t in held}
+    del kept
+    assert sorted(t.data_ptr() for t in forward(inputs, True)[2]) == addresses
+    for _ in range(2):
+        check("numba", case, backward=True)
+
+
 @pytest.mark.parametrize(
     "backend, case",
     [p for p in grid(["gated_delta", "additive", "wide_delta"]) if p.values[0] in FUSED],

@@ -158,12 +158,13 @@ def recycled_float32(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor
     """float32_array's pair, its memory an earlier such output's once nothing uses that
     (its tensor, views and arrays all freed), where one of the size is spare.
 
-    A decoding loop replaces its linear-attention state each step: on fresh memory the new
-    state faulted its pages in, or not, by how glibc had mapped the process's earlier
-    allocations (gated delta step, B = 8, a 16 MiB state, 2-core AMD EPYC Zen 4: 1.3-1.5 ms
-    in processes without faults, 1.8-4.9 ms in those with 50-2900 a step). Recycled, each
-    step writes the memory that the state of two steps before left. The tensor's storage is
-    numpy's, which torch does not resize.
+    For arrays a process asks for call after call (a decoding loop's linear-attention state,
+    the chunks a forward keeps for its backward). A decoding loop replaces its state each
+    step: on fresh memory the new state faulted its pages in, or not, by how glibc had mapped
+    the process's earlier allocations (gated delta step, B = 8, a 16 MiB state, 2-core AMD
+    EPYC Zen 4: 1.3-1.5 ms in processes without faults, 1.8-4.9 ms in those with 50-2900 a
+    step). Recycled, each step writes the memory that the state of two steps before left.
+    The tensor's storage is numpy's, which torch does not resize.
     """
     size = math.prod(shape) * 4
     if size < RECYCLED_MIN_BYTES:
@@ -181,6 +182,12 @@ def recycled_float32(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor
     if zero:
         array.fill(0.0)
     return torch.from_numpy(array), array
+
+
+def spare_bytes() -> int:
+    """Bytes of recycled outputs' memory held spare now: resident, though no tensor uses it."""
+    with _SPARE_LOCK:
+        return _SPARE_BYTES[0]
 
 
 def _give_back(raw: np.ndarray, size: int) -> None:
