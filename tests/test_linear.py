@@ -14,6 +14,7 @@ from cases import device_for
 import attnperf
 from attnperf import dispatch
 from attnperf.backend import FEATURES
+from attnperf.kernels.numba import launch as numba_launch
 from attnperf.testing import assert_linear_agrees, linear_reference
 
 BACKENDS = [
@@ -215,11 +216,9 @@ def test_numba_keeps_its_chunks_in_the_memory_an_earlier_backward_freed(monkeypa
     """numba's kept chunks are recycled memory: a forward whose predecessor's chunks are all
     freed keeps its own in their memory (never while they live), and gradients stay right
     on memory the last call left."""
-    linear = sys.modules[dispatch.registry()["numba"].linear_forward.__module__]
-    launch = sys.modules[linear.recycled_float32.__module__]
-    monkeypatch.setattr(launch, "RECYCLED_MIN_BYTES", 64)  # the cases' chunks are small
-    monkeypatch.setattr(launch, "_SPARE", {})
-    monkeypatch.setattr(launch, "_SPARE_BYTES", [0])
+    monkeypatch.setattr(numba_launch, "RECYCLED_MIN_BYTES", 64)  # the cases' chunks are small
+    monkeypatch.setattr(numba_launch, "_SPARE", {})
+    monkeypatch.setattr(numba_launch, "_SPARE_BYTES", [0])
     case = Case(steps=20, gate="scalar", delta=True, initial_state=True)
     call = make(case, device="cpu")
     inputs = attnperf.linear_inputs.prepare_linear(**call["tensors"], **call["keywords"])

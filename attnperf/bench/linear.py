@@ -24,7 +24,6 @@ from attnperf.bench.sweep import (
     fit_exponent,
     start_worker,
 )
-from attnperf.kernels.numba.launch import spare_bytes
 
 KEY_HEADS, VALUE_HEADS, HEAD_DIM = 16, 32, 128
 CHUNK = 64  # fla's FLOP count's chunk: 2 T HV (2 K V + C (K + V)) per forward
@@ -228,14 +227,10 @@ def prefill_sweep(config: LinearConfig, on_progress: Callable[[str], None]) -> d
 
 
 def _peak_extra_bytes(make_call: Callable[[], Callable[[], object]]) -> int | None:
-    """In a memory worker: the call's peak extra memory, once warm (inputs excluded), with
-    the memory that numba holds spare for it between calls (the kept chunks'), which the
-    warm call left resident before the measured one."""
+    """In a memory worker: the call's peak extra memory, once warm (inputs excluded)."""
     call = make_call()
     call()
-    spare = spare_bytes()
-    extra = cpu_peak_extra_bytes(call)
-    return None if extra is None else extra + spare
+    return cpu_peak_extra_bytes(call)
 
 
 def memory_sweep(config: LinearConfig) -> list[dict]:

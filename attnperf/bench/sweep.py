@@ -30,6 +30,7 @@ import torch
 import attnperf
 from attnperf import dispatch, layouts
 from attnperf.inputs import prepare
+from attnperf.kernels.numba.launch import spare_bytes
 from attnperf.kernels.sdpa import sdpa_mask
 
 # glibc's adaptive mmap threshold would serve a repeated large allocation from the already
@@ -165,7 +166,9 @@ def _proc_status_kib(field_name: str) -> int:
 
 
 def cpu_peak_extra_bytes(fn: Callable[[], object]) -> int | None:
-    """Peak resident memory added while `fn` runs, from the kernel's high-water mark.
+    """Peak resident memory added while `fn` runs, from the kernel's high-water mark, plus
+    the memory numba's recycled outputs held spare before it (`spare_bytes`: what a warm
+    call left resident for the next one, such as linear attention's kept chunks).
 
     Resetting VmHWM (write "5" to /proc/self/clear_refs) makes it see every allocation that
     touches memory, torch's, numpy's and numba's alike. None where /proc is not Linux's.
@@ -177,10 +180,11 @@ def cpu_peak_extra_bytes(fn: Callable[[], object]) -> int | None:
         before = _proc_status_kib("VmRSS")
     except OSError:
         return None
+    spare = spare_bytes()
     result = fn()
     peak = _proc_status_kib("VmHWM")
     del result
-    return max(peak - before, 0) * 1024
+    return max(peak - before, 0) * 1024 + spare
 
 
 def cuda_peak_extra_bytes(fn: Callable[[], object]) -> int:
