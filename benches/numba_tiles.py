@@ -3,7 +3,8 @@
 fp32, B=1, H=8, E=64, L = S = 2048; forward and forward+backward, full and causal; prints
 each tile's speed relative to 128 x 512 (median of 5 rounds). Run it under another ISA's
 code paths with, e.g., `ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
-NUMBA_CPU_NAME=haswell python benches/numba_tiles.py`.
+NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=+avx2,+fma python benches/numba_tiles.py` (under
+a CPU name alone numba compiles for the host's features).
 """
 
 import statistics

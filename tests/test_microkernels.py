@@ -388,6 +388,26 @@ def test_route_follows_numba_target(monkeypatch):
     assert microkernels.tile_route("bf16")[0] == "avx512-bf16"
 
 
+def test_route_under_a_named_cpu_alone_is_the_hosts(monkeypatch):
+    """NUMBA_CPU_NAME alone leaves numba on the host's features, so the routes stay the
+    host's; "generic" alone means none; "-avx512f" takes every AVX-512 extension with it."""
+    for name in ("ATTNPERF_NUMBA_TILES", "ATTNPERF_NUMBA_AMX", "NUMBA_CPU_NAME",
+                 "NUMBA_CPU_FEATURES"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    host = {kind: microkernels.tile_route(kind)[0] for kind in ("fp32", "bf16")}
+    monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
+    assert microkernels.target_features() == microkernels._host_features()
+    assert {kind: microkernels.tile_route(kind)[0] for kind in host} == host
+    monkeypatch.setenv("NUMBA_CPU_NAME", "generic")
+    assert microkernels.target_features() == frozenset()
+    assert microkernels.tile_route("bf16")[0] == "blas"
+    monkeypatch.delenv("NUMBA_CPU_NAME")
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+fma,+avx512bf16,-avx512f")
+    features = microkernels.target_features()
+    assert {"avx2", "fma"} <= features and not any(f.startswith("avx512") for f in features)
+    assert microkernels.tile_route("bf16")[0] == "avx2"
+
+
 def test_tiles_choice_is_checked(monkeypatch):
     monkeypatch.setenv("ATTNPERF_NUMBA_TILES", "fast")
     tiles.tiles_flag.cache_clear()
@@ -474,15 +494,32 @@ def assert_results_and_gradients_agree(call):
         assert_agrees(actual, results["exact"][what], results["baseline"][what], what=what)
 
 
-def run_for_target(script: str, cpu_name: str, features: str, tmp_path) -> list[str]:
+def run_for_target(script: str, cpu_name: str, features: str | None, tmp_path) -> list[str]:
     """The words `script` prints, run in a fresh process whose numba target is `cpu_name`
-    with `features` (numba reads its target at start-up)."""
+    with `features` (None: NUMBA_CPU_FEATURES unset; numba reads its target at start-up)."""
     env = {**os.environ, "NUMBA_CPU_NAME": cpu_name, "NUMBA_CPU_FEATURES": features,
            "NUMBA_CACHE_DIR": str(tmp_path)}  # fmt: skip
+    env = {name: value for name, value in env.items() if value is not None}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout.split()
+
+
+@pytest.mark.parametrize(
+    "cpu_name, features",
+    [("haswell", None), ("generic", None), ("haswell", "+avx2,+fma"), ("haswell", "")],
+)
+def test_target_features_are_what_numba_compiles_for(cpu_name, features, tmp_path):
+    """The features the routes follow are those numba's code generator is given: the host's
+    under a named CPU unless NUMBA_CPU_FEATURES lists others, none for "generic"."""
+    script = (
+        "from numba.core.registry import cpu_target\n"
+        "from attnperf.kernels.numba.microkernels import target_features\n"
+        "given = cpu_target.target_context.codegen()._get_host_cpu_features().split(',')\n"
+        "print(sorted(target_features()) == sorted(f[1:] for f in given if f[:1] == '+'))\n"
+    )
+    assert run_for_target(script, cpu_name, features, tmp_path) == ["True"]
 
 
 def test_peaks_follow_the_target(tmp_path):

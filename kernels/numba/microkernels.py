@@ -69,14 +69,28 @@ UNPACKED_ORDER = (
 
 
 def target_features() -> frozenset[str]:
-    """The CPU features numba compiles for: the host's, unless NUMBA_CPU_NAME names another
-    CPU (then only those NUMBA_CPU_FEATURES lists, "+avx512f,..."; none if it is empty)."""
+    """The CPU features numba compiles for, read from its variables as numba reads them.
+
+    Unless NUMBA_CPU_FEATURES is set, numba compiles for the host's features, under any
+    NUMBA_CPU_NAME but "generic" (none). A list ("+avx2,+fma,-avx512f") adds to and takes from
+    the host's features where NUMBA_CPU_NAME is unset, and to none where it names a CPU: what
+    a named CPU implies besides is LLVM's to know, and a narrower route is only slower.
+    """
     if llvm_binding is None:
         return frozenset()
-    if os.environ.get("NUMBA_CPU_NAME", "host") != "host":
-        listed = os.environ.get("NUMBA_CPU_FEATURES", "").split(",")
-        return frozenset(name[1:] for name in listed if name.startswith("+"))
-    return _host_features()
+    name = os.environ.get("NUMBA_CPU_NAME", "host")
+    listed = os.environ.get("NUMBA_CPU_FEATURES")
+    if listed is None:
+        return frozenset() if name.lower() == "generic" else _host_features()
+    features = set(_host_features()) if name == "host" else set()
+    for entry in listed.split(","):
+        if entry.startswith("+"):
+            features.add(entry[1:])
+        elif entry.startswith("-"):
+            features.discard(entry[1:])
+    if "avx512f" not in features:  # as LLVM: every AVX-512 extension implies AVX-512F
+        features = {feature for feature in features if not feature.startswith("avx512")}
+    return frozenset(features)
 
 
 @functools.cache  # LLVM's query took ~0.1 ms, on every bf16 call
