@@ -507,13 +507,16 @@ def run_for_target(script: str, cpu_name: str, features: str | None, tmp_path) -
 
 
 @pytest.mark.parametrize(
-    "cpu_name, features",
-    [("haswell", None), ("generic", None), ("haswell", "+avx2,+fma"), ("haswell", "")],
-)
-def test_target_features_are_what_numba_compiles_for(cpu_name, features, tmp_path):
+    "cpu_name, features, avx",
+    [("haswell", None, "1"), ("haswell", None, "0"), ("generic", None, "1"),
+     ("haswell", "+avx2,+fma", "1"), ("haswell", "", "1")],
+)  # fmt: skip
+def test_target_features_are_what_numba_compiles_for(cpu_name, features, avx, tmp_path):
     """The features the routes follow are those numba's code generator is given: the host's
-    under a named CPU unless NUMBA_CPU_FEATURES lists others, none for "generic"."""
+    under a named CPU unless NUMBA_CPU_FEATURES lists others (NUMBA_ENABLE_AVX=0: less
+    AVX's), none for "generic"."""
     script = (
+        f"import os; os.environ['NUMBA_ENABLE_AVX'] = '{avx}'\n"
         "from numba.core.registry import cpu_target\n"
         "from attnperf.kernels.numba.microkernels import target_features\n"
         "given = cpu_target.target_context.codegen()._get_host_cpu_features().split(',')\n"

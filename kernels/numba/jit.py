@@ -11,12 +11,13 @@ try:
     from llvmlite import ir
     from numba import literally
     from numba.core import cgutils, types
+    from numba.core.codegen import get_host_cpu_features as numba_host_features
     from numba.extending import intrinsic
     from numba.np.arrayobj import populate_array
 
     MISSING = None
 except ImportError as error:
-    numba = cgutils = ir = llvm_binding = populate_array = types = None
+    numba = cgutils = ir = llvm_binding = numba_host_features = populate_array = types = None
     MISSING = f"numba and scipy are needed ({error}); pip install 'attnperf[cpu]'"
 
 

@@ -44,8 +44,8 @@ from attnperf.kernels.numba.jit import (
     intrinsic,
     ir,
     literally,
-    llvm_binding,
     njit,
+    numba_host_features,
     types,
     unowned_members,
     wide_vectors,
@@ -76,7 +76,7 @@ def target_features() -> frozenset[str]:
     the host's features where NUMBA_CPU_NAME is unset, and to none where it names a CPU: what
     a named CPU implies besides is LLVM's to know, and a narrower route is only slower.
     """
-    if llvm_binding is None:
+    if numba_host_features is None:
         return frozenset()
     name = os.environ.get("NUMBA_CPU_NAME", "host")
     listed = os.environ.get("NUMBA_CPU_FEATURES")
@@ -95,8 +95,9 @@ def target_features() -> frozenset[str]:
 
 @functools.cache  # LLVM's query took ~0.1 ms, on every bf16 call
 def _host_features() -> frozenset[str]:
-    host = llvm_binding.get_host_cpu_features()
-    return frozenset(name for name, present in host.items() if present)
+    """The host's features as numba hands them to LLVM (NUMBA_ENABLE_AVX=0 takes AVX's away)."""
+    listed = numba_host_features().split(",")
+    return frozenset(entry[1:] for entry in listed if entry.startswith("+"))
 
 
 TILE_CHOICES = ("auto", "blas", "own")
