@@ -82,22 +82,27 @@ def target_features() -> frozenset[str]:
     listed = os.environ.get("NUMBA_CPU_FEATURES")
     if listed is None:
         return frozenset() if name.lower() == "generic" else _host_features()
-    features = set(_host_features()) if name == "host" else set()
-    for entry in listed.split(","):
-        if entry.startswith("+"):
-            features.add(entry[1:])
-        elif entry.startswith("-"):
-            features.discard(entry[1:])
-    if "avx512f" not in features:  # as LLVM: every AVX-512 extension implies AVX-512F
-        features = {feature for feature in features if not feature.startswith("avx512")}
-    return frozenset(features)
+    return _with_listed(_host_features() if name == "host" else frozenset(), listed)
 
 
 @functools.cache  # LLVM's query took ~0.1 ms, on every bf16 call
 def _host_features() -> frozenset[str]:
     """The host's features as numba hands them to LLVM (NUMBA_ENABLE_AVX=0 takes AVX's away)."""
-    listed = numba_host_features().split(",")
-    return frozenset(entry[1:] for entry in listed if entry.startswith("+"))
+    return _with_listed(frozenset(), numba_host_features())
+
+
+def _with_listed(features: frozenset[str], listed: str) -> frozenset[str]:
+    """`features` with a feature string's "+name" entries added and "-name" ones taken away;
+    without AVX-512F every AVX-512 extension goes too, as LLVM implies."""
+    features = set(features)
+    for entry in listed.split(","):
+        if entry.startswith("+"):
+            features.add(entry[1:])
+        elif entry.startswith("-"):
+            features.discard(entry[1:])
+    if "avx512f" not in features:
+        features = {feature for feature in features if not feature.startswith("avx512")}
+    return frozenset(features)
 
 
 TILE_CHOICES = ("auto", "blas", "own")
