@@ -56,6 +56,7 @@ from attnperf.kernels.numba.kvcache import (
 )
 from attnperf.kernels.numba.microkernels import (
     gemm_fp32,
+    inlined_tile_product,
     pack_key_panels,
     pack_vnni,
     peak_flops,
@@ -138,15 +139,16 @@ def repeat_scores(reps, depth, q_view, k_view, s_view, rows, keys):
 
 @njit()
 def repeat_chunked_product(reps, p_view, v_view, acc_view, rows, keys, cols, pair):
-    """P V in 16-key chunks; pair 2: P's bf16 bits in pairs (uint32), V's rows paired."""
+    """P V in 16-key chunks, inlined as the step's (`chunked_values`); pair 2: P's bf16 bits
+    in pairs (uint32), V's rows paired."""
     p, p_offset, p_stride, p_depth_stride = p_view
     v, v_offset, v_stride, v_vector_stride = v_view
     for _ in range(reps):
         for c in range(0, keys, CHUNK):
-            tile_product(min(CHUNK, keys - c) // pair, np.float32(1.0), np.float32(1.0),
-                         (p, p_offset + c // pair, p_stride, p_depth_stride),
-                         (v, v_offset + c * v_stride, v_stride, v_vector_stride), acc_view,
-                         rows, cols)  # fmt: skip
+            inlined_tile_product(min(CHUNK, keys - c) // pair, np.float32(1.0),
+                                 np.float32(1.0), (p, p_offset + c // pair, p_stride,
+                                 p_depth_stride), (v, v_offset + c * v_stride, v_stride,
+                                 v_vector_stride), acc_view, rows, cols)  # fmt: skip
 
 
 @njit()

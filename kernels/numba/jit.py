@@ -9,7 +9,6 @@ try:
     import scipy  # noqa: F401  (scipy's BLAS serves when torch exports no sgemm)
     from llvmlite import binding as llvm_binding
     from llvmlite import ir
-    from numba import literally
     from numba.core import cgutils, types
     from numba.core.codegen import get_host_cpu_features as numba_host_features
     from numba.extending import intrinsic
@@ -37,9 +36,6 @@ if numba is None:  # kernels are never run then; their modules only need the nam
 
     def intrinsic(function=None, **options):
         return function if function is not None else (lambda function: function)
-
-    def literally(value):
-        return value
 
 
 # Reassociation and contraction let LLVM vectorise the row loops; no "nnan"/"ninf", so

@@ -56,8 +56,8 @@ from attnperf.kernels.numba.microkernels import (
     FP32,
     LANES,
     ONE,
+    inlined_tile_product,
     scores_by_dots,
-    tile_product,
     tile_route,
     to_bf16,
     transpose_block,
@@ -365,13 +365,13 @@ def chunked_values(p, p_pairs, values, head_major, cols, acc, prefetch):
         if paired:
             pair_row = p_pairs.shape[2]
             pairs_view = (p_pairs, (hk * rows * pair_row) + c // 2, pair_row, 1)
-            tile_product(paired // 2, ONE, ONE, pairs_view, v_view, acc_view, rows, value_dim,
-                         ahead)  # fmt: skip
+            inlined_tile_product(paired // 2, ONE, ONE, pairs_view, v_view, acc_view, rows,
+                                 value_dim, ahead)  # fmt: skip
         if paired < keys:
             p_view = (p, hk * rows * width + c + paired, width, 1)
             v_view = (pages, v_at + hk * v_head + (c + paired) * v_row, v_row, LANES)
-            tile_product(keys - paired, ONE, ONE, p_view, v_view, acc_view, rows, value_dim,
-                         ahead)  # fmt: skip
+            inlined_tile_product(keys - paired, ONE, ONE, p_view, v_view, acc_view, rows,
+                                 value_dim, ahead)  # fmt: skip
 
 
 @njit()

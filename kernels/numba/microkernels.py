@@ -43,7 +43,6 @@ from attnperf.kernels.numba.jit import (
     emit_prefetch,
     intrinsic,
     ir,
-    literally,
     njit,
     numba_host_features,
     types,
@@ -538,10 +537,10 @@ def panel_width(typingctx):
     return types.intp(), codegen
 
 
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, inline="always")
 def _row_blocks(nv, depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahead):
-    """One panel of `cols` <= 16 nv columns, its rows in blocks of 6."""
-    literally(nv)  # compiled per vector count
+    """One panel of `cols` <= 16 nv columns, its rows in blocks of 6; inlined, so that nv,
+    a constant at each call, reaches `micro_kernel` as the literal it needs."""
     a, a_offset, a_row_stride, a_depth_stride = a_view
     c, c_offset, c_row_stride = c_view
     full = rows - rows % BLOCK_ROWS
@@ -564,12 +563,13 @@ def _row_blocks(nv, depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahea
         micro_kernel(1, nv, depth, alpha, beta, a_left, b_view, c_left, cols, ahead)
 
 
-@njit(fastmath=FASTMATH)
-def tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahead=0):
-    """C[:rows, :cols] = alpha * A[:rows, :depth] @ B[:depth, :cols] + beta * C in
-    micro-kernels (views, kinds and `ahead` as `micro_kernel`'s; for bf16 `depth` counts
-    pairs). Columns go in panels (`panel_width`), whose B rows stay in L1 across the
-    panel's row blocks."""
+@njit(fastmath=FASTMATH, inline="always")
+def inlined_tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahead=0):
+    """tile_product inlined where it is called, for a caller that calls it for every small
+    tile: as calls (tile_product's, then a panel's), with their arguments' arrays counted
+    and their views passed, a decoding step's P V took 16.0-16.3 ns a key and kv head in
+    fp32 and 10.9-11.2 in bf16 (16-key chunks), inlined 12.8-13.0 and 8.6-8.7 (one
+    thread, Zen 4, 4 rows, E = 128, `benches/decode_stream.py`)."""
     b, b_offset, b_row_stride, b_vector_stride = b_view
     c, c_offset, c_row_stride = c_view
     panel = panel_width()
@@ -585,6 +585,15 @@ def tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahead=0
             _row_blocks(2, depth, alpha, beta, a_view, b_panel, c_panel, rows, width, ahead)
         else:
             _row_blocks(1, depth, alpha, beta, a_view, b_panel, c_panel, rows, width, ahead)
+
+
+@njit(fastmath=FASTMATH)
+def tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahead=0):
+    """C[:rows, :cols] = alpha * A[:rows, :depth] @ B[:depth, :cols] + beta * C in
+    micro-kernels (views, kinds and `ahead` as `micro_kernel`'s; for bf16 `depth` counts
+    pairs). Columns go in panels (`panel_width`), whose B rows stay in L1 across the
+    panel's row blocks."""
+    inlined_tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahead)
 
 
 @njit(fastmath=FASTMATH)
@@ -731,35 +740,38 @@ def key_dots(typingctx, mr, depth, alpha, q_view, k_view, s_view, keys, ahead):
     return sig, codegen
 
 
-@njit(fastmath=FASTMATH)
-def _dot_blocks(mr, depth, alpha, q_view, k_view, s_view, i, keys, ahead):
-    """Query rows i .. i + mr - 1 against every key, in key_dots of mr rows."""
-    literally(mr)  # compiled per row count
-    q, q_offset, q_stride = q_view
-    k, k_offset, k_stride = k_view
-    s, s_offset, s_stride = s_view
-    step = LANES // mr
-    for t in range(0, keys, step):
-        key_dots(mr, depth, alpha, (q, q_offset + i * q_stride, q_stride),
-                 (k, k_offset + t * k_stride, k_stride),
-                 (s, s_offset + i * s_stride + t, s_stride), min(step, keys - t),
-                 ahead)  # fmt: skip
-
-
-@njit(fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, inline="always")
 def scores_by_dots(depth, alpha, q_view, k_view, s_view, rows, keys, ahead=0):
     """S[:rows, :keys] = alpha * Q K^T for query rows against key rows as they lie (views,
     kinds and `ahead` as `key_dots`'), in blocks of 4 query rows by 4 keys, then 2 by 8, 1
-    by 16."""
-    i = 0
-    while rows - i >= 4:
-        _dot_blocks(4, depth, alpha, q_view, k_view, s_view, i, keys, ahead)
-        i += 4
+    by 16. Inlined where it is called (a decoding step's every 16-key chunk): as calls,
+    with their arguments' arrays counted and their views passed, its scores took 15.2-15.5
+    ns a key and kv head in fp32 and 9.9-10.1 in bf16, inlined 12.6-13.0 and 8.4-8.6 (one
+    thread, Zen 4, 4 rows, E = 128, `benches/decode_stream.py`)."""
+    q, q_offset, q_stride = q_view
+    k, k_offset, k_stride = k_view
+    s, s_offset, s_stride = s_view
+    full = rows - rows % 4
+    for i in range(0, full, 4):
+        for t in range(0, keys, 4):
+            key_dots(4, depth, alpha, (q, q_offset + i * q_stride, q_stride),
+                     (k, k_offset + t * k_stride, k_stride),
+                     (s, s_offset + i * s_stride + t, s_stride), min(4, keys - t),
+                     ahead)  # fmt: skip
+    i = full
     if rows - i >= 2:
-        _dot_blocks(2, depth, alpha, q_view, k_view, s_view, i, keys, ahead)
+        for t in range(0, keys, 8):
+            key_dots(2, depth, alpha, (q, q_offset + i * q_stride, q_stride),
+                     (k, k_offset + t * k_stride, k_stride),
+                     (s, s_offset + i * s_stride + t, s_stride), min(8, keys - t),
+                     ahead)  # fmt: skip
         i += 2
     if rows - i == 1:
-        _dot_blocks(1, depth, alpha, q_view, k_view, s_view, i, keys, ahead)
+        for t in range(0, keys, 16):
+            key_dots(1, depth, alpha, (q, q_offset + i * q_stride, q_stride),
+                     (k, k_offset + t * k_stride, k_stride),
+                     (s, s_offset + i * s_stride + t, s_stride), min(16, keys - t),
+                     ahead)  # fmt: skip
 
 
 @intrinsic
