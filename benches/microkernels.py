@@ -145,10 +145,10 @@ def repeat_chunked_product(reps, p_view, v_view, acc_view, rows, keys, cols, pai
     v, v_offset, v_stride, v_vector_stride = v_view
     for _ in range(reps):
         for c in range(0, keys, CHUNK):
-            inlined_tile_product(min(CHUNK, keys - c) // pair, np.float32(1.0),
-                                 np.float32(1.0), (p, p_offset + c // pair, p_stride,
-                                 p_depth_stride), (v, v_offset + c * v_stride, v_stride,
-                                 v_vector_stride), acc_view, rows, cols)  # fmt: skip
+            p_chunk = (p, p_offset + c // pair, p_stride, p_depth_stride)
+            v_chunk = (v, v_offset + c * v_stride, v_stride, v_vector_stride)
+            inlined_tile_product(min(CHUNK, keys - c) // pair, np.float32(1.0), np.float32(1.0),
+                                 p_chunk, v_chunk, acc_view, rows, cols)  # fmt: skip
 
 
 @njit()

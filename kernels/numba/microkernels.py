@@ -741,6 +741,21 @@ def key_dots(typingctx, mr, depth, alpha, q_view, k_view, s_view, keys, ahead):
 
 
 @njit(fastmath=FASTMATH, inline="always")
+def _dot_blocks(mr, depth, alpha, q_view, k_view, s_view, i, keys, ahead):
+    """Query rows i .. i + mr - 1 against every key, in key_dots of mr rows; inlined, so
+    that mr, a constant at each call, reaches `key_dots` as the literal it needs."""
+    q, q_offset, q_stride = q_view
+    k, k_offset, k_stride = k_view
+    s, s_offset, s_stride = s_view
+    step = LANES // mr
+    for t in range(0, keys, step):
+        key_dots(mr, depth, alpha, (q, q_offset + i * q_stride, q_stride),
+                 (k, k_offset + t * k_stride, k_stride),
+                 (s, s_offset + i * s_stride + t, s_stride), min(step, keys - t),
+                 ahead)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH, inline="always")
 def scores_by_dots(depth, alpha, q_view, k_view, s_view, rows, keys, ahead=0):
     """S[:rows, :keys] = alpha * Q K^T for query rows against key rows as they lie (views,
     kinds and `ahead` as `key_dots`'), in blocks of 4 query rows by 4 keys, then 2 by 8, 1
@@ -748,30 +763,15 @@ def scores_by_dots(depth, alpha, q_view, k_view, s_view, rows, keys, ahead=0):
     with their arguments' arrays counted and their views passed, its scores took 15.2-15.5
     ns a key and kv head in fp32 and 9.9-10.1 in bf16, inlined 12.6-13.0 and 8.4-8.6 (one
     thread, Zen 4, 4 rows, E = 128, `benches/decode_stream.py`)."""
-    q, q_offset, q_stride = q_view
-    k, k_offset, k_stride = k_view
-    s, s_offset, s_stride = s_view
     full = rows - rows % 4
     for i in range(0, full, 4):
-        for t in range(0, keys, 4):
-            key_dots(4, depth, alpha, (q, q_offset + i * q_stride, q_stride),
-                     (k, k_offset + t * k_stride, k_stride),
-                     (s, s_offset + i * s_stride + t, s_stride), min(4, keys - t),
-                     ahead)  # fmt: skip
+        _dot_blocks(4, depth, alpha, q_view, k_view, s_view, i, keys, ahead)
     i = full
     if rows - i >= 2:
-        for t in range(0, keys, 8):
-            key_dots(2, depth, alpha, (q, q_offset + i * q_stride, q_stride),
-                     (k, k_offset + t * k_stride, k_stride),
-                     (s, s_offset + i * s_stride + t, s_stride), min(8, keys - t),
-                     ahead)  # fmt: skip
+        _dot_blocks(2, depth, alpha, q_view, k_view, s_view, i, keys, ahead)
         i += 2
     if rows - i == 1:
-        for t in range(0, keys, 16):
-            key_dots(1, depth, alpha, (q, q_offset + i * q_stride, q_stride),
-                     (k, k_offset + t * k_stride, k_stride),
-                     (s, s_offset + i * s_stride + t, s_stride), min(16, keys - t),
-                     ahead)  # fmt: skip
+        _dot_blocks(1, depth, alpha, q_view, k_view, s_view, i, keys, ahead)
 
 
 @intrinsic
