@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnperf import dispatch
-from attnperf.bench import linear, serving, summary
+from attnperf.bench import linear, serving, summary, sweep
 from attnperf.bench.report import (
     build_report,
     compare_to_baseline,
@@ -43,6 +43,23 @@ def test_peak_memory_sees_torch_and_numpy_allocations():
     assert 64 * mib <= torch_bytes < 66 * mib
     assert 32 * mib <= numpy_bytes < 34 * mib
     assert 24 * mib <= list_bytes < 26 * mib
+
+
+@pytest.mark.parametrize("call_s, warm_calls", [(0.003, 7), (0.05, 1)])
+def test_a_turn_warms_for_warm_s_then_times_one_call(monkeypatch, call_s, warm_calls):
+    monkeypatch.setattr(sweep, "WARM_S", 0.02)
+    calls = []
+
+    def timer(call):
+        call()
+        return call_s
+
+    sweep.set_ready(timer, lambda: calls.append(None))
+    try:
+        assert sweep.time_turn() == call_s
+    finally:
+        sweep.set_ready(None)
+    assert len(calls) == warm_calls + 1  # the untimed calls, then the timed one
 
 
 def test_fit_exponent_recovers_a_power_law():

@@ -7,7 +7,8 @@ measured in the same run; a time is the median of the rounds. Each turn first pa
 SETTLE_S, so that the previous contender's OpenMP threads, which spin for a while after
 torch's parallel ops, are asleep before it starts (they took a millisecond-scale decode
 step's cores: numba's step at B = 1, S = 16k measured 12.3 ms after sdpa's turns, 6.5 ms
-with OMP_WAIT_POLICY=PASSIVE), then makes an untimed call, then the timed one.
+with OMP_WAIT_POLICY=PASSIVE), then makes untimed calls (`sweep.time_turn`), then the
+timed one.
 """
 
 from __future__ import annotations

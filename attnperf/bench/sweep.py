@@ -7,8 +7,8 @@ timing runs with the default allocator, memory with one that maps every large bl
 time, reported apart), one more warm-up call, then `rounds` timed calls (median, min, max).
 The backends take turns at each point, round by round (the order reversed every other
 round), so that a machine whose speed drifts (shared cores, turbo) shifts every backend
-alike and the same-run ratios stay honest; each turn is an untimed call, which wakes the
-worker's thread pools after the others' turns, then the timed one.
+alike and the same-run ratios stay honest; each turn is untimed calls for at least WARM_S,
+which wake the worker's thread pools after the others' turns, then the timed one.
 """
 
 from __future__ import annotations
@@ -37,6 +37,13 @@ from attnperf.kernels.sdpa import sdpa_mask
 # resident heap, hiding it from the RSS high-water mark: a fixed threshold keeps every
 # block >= 64 KiB in its own mapping, which is returned to the system when freed.
 WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# A turn's untimed calls last at least this long: after an idle spell this VM's scheduler
+# woke a worker's two threads onto one vCPU and parted them only a time slice (~3 ms)
+# later (seen as involuntary context switches of both, found on one CPU). On the 2-core
+# AMD EPYC VM, in serving's race (B = 1, S = 16k, bf16, 9 rounds), one untimed call left
+# numba's step at 2.7-8.4 ms (medians 3.5, 3.7) and SDPA's rows at 7.0-10.1 (8.4, 8.6);
+# 20 ms of calls, 2.2-2.6 (2.3, 2.3) and 6.7-8.7 (6.9, 6.9).
+WARM_S = 0.02
 
 PASSES = ("forward", "forward+backward")
 BACKWARD_FLOP_FACTOR = 2.5  # backward = 2.5x forward (FlashAttention's accounting)
@@ -368,11 +375,13 @@ def set_ready(timer: Callable | None, call: Callable | None = None) -> None:
 
 
 def time_turn() -> float:
-    """One turn at the point that measure_point set up in this worker: a call to wake this
-    process's thread pools and caches after the other backends' turns, then the timed call
-    (back to back, as a caller's repeated calls run)."""
+    """One turn at the point that measure_point set up in this worker: calls for at least
+    WARM_S (one at least) to wake this process's thread pools and caches after the other
+    backends' turns, then the timed call (back to back, as a caller's repeated calls run)."""
     timer, call = _READY
-    timer(call)
+    warmed = timer(call)
+    while warmed < WARM_S:
+        warmed += timer(call)
     return timer(call)
 
 
