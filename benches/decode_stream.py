@@ -1,26 +1,30 @@
 """A decoding step's stream from memory beside the machine's own, and where its time goes.
 
-1. numba's step over a cache far larger than L3 (B = 1, 64k keys, 32/8 heads, E = 128: 512
-   MiB of fp32 K and V, 256 of bf16) against a sequential read of the same bytes (torch's
-   sum of K, then of V) on the same threads, one and two, the two timed in alternation in
-   one process: a VM's memory speed moves between processes more than between neighbouring
-   calls.
+1. numba's step over caches larger than L3 (by default B = 1, 64k keys, 32/8 heads, E =
+   128: 512 MiB of fp32 K and V, 256 of bf16; `--batches` and `--lengths` for others, such
+   as the decode bench's points) against a sequential read of the same bytes (torch's sum
+   of K, then of V) on the same threads, one and two, the two timed in alternation in one
+   process: a VM's memory speed moves between processes more than between neighbouring
+   calls, so the step's share of the read is steadier than its share of a probe read in a
+   process of its own.
 2. The step's tile walk taken apart on one thread (`micro_kernel_tile`'s pieces on a plain
    tile: the scores' walk, the online softmax (bf16: with P rounded and its bits paired),
    P V's walk), fp32 and bf16, each alone and the three in turn, with K and V in cache
    (one 192-key tile: 1.5 MiB of fp32, in L2 and L3) and in memory (64k keys), in
    nanoseconds a (key, kv head): a phase slower from memory than from cache waits on it.
 
-    python benches/decode_stream.py [--rounds 7]
+    python benches/decode_stream.py [--rounds 7] [--batches 1 4] [--lengths 16384 65536]
+        [--threads 2]
 """
 
 import argparse
+import itertools
 import statistics
 import time
 
 import numpy as np
 import torch
-from decode_steps import HEAD_DIM, cache  # benches/, the script's own folder
+from decode_steps import HEAD_DIM  # benches/, the script's own folder
 
 import attnperf
 from attnperf.kernels.numba.attention import online_softmax_rescale
@@ -47,14 +51,16 @@ def seconds(call) -> float:
     return time.perf_counter() - start
 
 
-def stream_rates(dtype: torch.dtype, threads: int, rounds: int) -> tuple[float, float]:
+def stream_rates(dtype: torch.dtype, batch: int, keys: int, threads: int,
+                 rounds: int) -> tuple[float, float]:  # fmt: skip
     """(step, sequential read) GB/s of K and V: medians of `rounds` alternating calls."""
     torch.set_num_threads(threads)
-    k_cache, v_cache = (cache(KV_HEADS, KEYS, False, dtype) for _ in range(2))
-    q = torch.randn(1, 1, Q_HEADS, HEAD_DIM, dtype=dtype)
+    k_cache, v_cache = (torch.randn(batch, keys, KV_HEADS, HEAD_DIM, dtype=dtype)
+                        for _ in range(2))  # fmt: skip
+    q = torch.randn(batch, 1, Q_HEADS, HEAD_DIM, dtype=dtype)
 
     def step():
-        attnperf.attention_with_kvcache(q, k_cache, v_cache, KEYS, backend="numba")
+        attnperf.attention_with_kvcache(q, k_cache, v_cache, keys, backend="numba")
 
     def read():
         k_cache.sum()
@@ -140,17 +146,21 @@ def phase_times(dtype: torch.dtype, count: int, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[KEYS])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     cpu = cpu_description()
-    print(f"cpu {cpu['cpu_model']}; B = 1, S = {KEYS}, {Q_HEADS}/{KV_HEADS} heads, "
-          f"E = {HEAD_DIM}, row-major cache\n")  # fmt: skip
-    print("| cache | threads | step GB/s | sequential read GB/s | step / read |")
-    print("|---|---|---|---|---|")
+    print(f"cpu {cpu['cpu_model']}; {Q_HEADS}/{KV_HEADS} heads, E = {HEAD_DIM}, row-major "
+          "cache\n")  # fmt: skip
+    print("| cache | B | S | threads | step GB/s | sequential read GB/s | step / read |")
+    print("|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
-        for threads in (1, 2):
-            step, read = stream_rates(dtype, threads, args.rounds)
-            print(f"| {str(dtype)[6:]} | {threads} | {step:.1f} | {read:.1f} | "
-                  f"{step / read:.0%} |")  # fmt: skip
+        for batch, keys in itertools.product(args.batches, args.lengths):
+            for threads in args.threads:
+                step, read = stream_rates(dtype, batch, keys, threads, args.rounds)
+                print(f"| {str(dtype)[6:]} | {batch} | {keys} | {threads} | {step:.1f} | "
+                      f"{read:.1f} | {step / read:.0%} |")  # fmt: skip
     torch.set_num_threads(1)
     print("\nThe walk's phases, one thread, ns a (key, kv head):\n")
     print("| cache | K and V in | scores | softmax | P V | sum of the three | all three in turn "
