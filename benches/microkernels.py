@@ -17,10 +17,10 @@ Products, a 128-row query tile against a 512-key tile as the forward walks them:
 
 And a decode step's products, a GQA group of 4 query rows against a tile of 192 keys, as
 `micro_kernel_tile` walks them: the scores by `scores_by_dots` on key rows as they lie, and
-acc += P V in chunks of 16 keys on values as they lie (a bf16 cache's paired in registers
-for vdpbf16ps, as the step runs them, or widened for fp32 FMAs); where bf16
-runs on AMX, as `amx_tile` runs them: S^T = K Q^T with the key rows as they lie as A, and
-acc += P V with the tile's values packed in pairs first (the packing counted in).
+acc += P V in chunks of 32 keys (`VALUE_CHUNK`) on values as they lie (a bf16 cache's
+paired in registers for vdpbf16ps, as the step runs them, or widened for fp32 FMAs); where
+bf16 runs on AMX, as `amx_tile` runs them: S^T = K Q^T with the key rows as they lie as A,
+and acc += P V with the tile's values packed in pairs first (the packing counted in).
 
 Then the fp32 forward's tile step by step, each alone: QK^T, the online softmax on the
 score tile (row max, exp2, sums, the accumulator rescaled: each row's max rising by 0.5
@@ -49,6 +49,7 @@ from attnperf.kernels.numba.fastmath import LOG2E
 from attnperf.kernels.numba.jit import FASTMATH, aligned_empty, njit
 from attnperf.kernels.numba.kvcache import (
     AMX,
+    VALUE_CHUNK,
     amx_buffers,
     amx_key_scores,
     amx_query_pairs,
@@ -68,7 +69,7 @@ from attnperf.kernels.numba.microkernels import (
 from attnperf.machine import cpu_description
 
 ROWS, KEYS = 128, 512
-DECODE_ROWS, DECODE_KEYS, CHUNK = 4, 192, 16
+DECODE_ROWS, DECODE_KEYS, CHUNK = 4, 192, 16  # CHUNK: the scores' keys at a time
 
 
 @njit()
@@ -139,16 +140,17 @@ def repeat_scores(reps, depth, q_view, k_view, s_view, rows, keys):
 
 @njit()
 def repeat_chunked_product(reps, p_view, v_view, acc_view, rows, keys, cols, pair):
-    """P V in 16-key chunks, inlined as the step's (`chunked_values`); pair 2: P's bf16 bits
-    in pairs (uint32), V's rows paired."""
+    """P V in chunks of VALUE_CHUNK keys, inlined as the step's (`chunked_values`); pair 2:
+    P's bf16 bits in pairs (uint32), V's rows paired."""
     p, p_offset, p_stride, p_depth_stride = p_view
     v, v_offset, v_stride, v_vector_stride = v_view
     for _ in range(reps):
-        for c in range(0, keys, CHUNK):
+        for c in range(0, keys, VALUE_CHUNK):
             p_chunk = (p, p_offset + c // pair, p_stride, p_depth_stride)
             v_chunk = (v, v_offset + c * v_stride, v_stride, v_vector_stride)
-            inlined_tile_product(min(CHUNK, keys - c) // pair, np.float32(1.0), np.float32(1.0),
-                                 p_chunk, v_chunk, acc_view, rows, cols)  # fmt: skip
+            keys_here = min(VALUE_CHUNK, keys - c)
+            inlined_tile_product(keys_here // pair, np.float32(1.0), np.float32(1.0), p_chunk,
+                                 v_chunk, acc_view, rows, cols)  # fmt: skip
 
 
 @njit()
@@ -354,7 +356,7 @@ def decode_products(dim, rounds):
             value_args = ((p_in, 0, DECODE_KEYS // step, 1), (v_in, 0, dim, 16), (acc, 0, dim),
                           DECODE_ROWS, DECODE_KEYS, dim, step)  # fmt: skip
             pv = median_seconds(repeated(repeat_chunked_product, *value_args), reps, rounds)
-            rows.append((f"decode PV (16-key chunks{form})", dtype, flops, pv,
+            rows.append((f"decode PV ({VALUE_CHUNK}-key chunks{form})", dtype, flops, pv,
                          torch_mm(low(p), low(v))))  # fmt: skip
     if peak_flops("amx") is None or dim % 32:
         return rows

@@ -229,6 +229,14 @@ AMX = -2  # a bf16 step on AMX tiles (`amx_tile`)
 # 4 rows' P V took 2.7 us on the micro-kernels against 4.3 us on AMX, the packing most of
 # it; the micro-kernels' time grows with the rows, AMX's does not.
 AMX_VALUES_MIN_ROWS = 8
+# Keys a P V product takes at a time over row-major pages (a head's chunk; the chunks walked
+# across the heads, `memory_order`): against 16, each head's accumulators are loaded and
+# stored half as often. One thread, Zen 4, 32/8 heads, E = 128, three pairs of processes in
+# alternation: the step from L2/L3 (`benches/decode_rate.py`) fp32 27.3-27.9 ns a (key, kv
+# head) against 28.2-28.5, bf16 18.6-18.9 against 19.8-20.0; P V alone from cache 11.0-11.4
+# and 7.0 ns against 12.6-13.0 and 8.7-8.8, from memory alike (`benches/decode_stream.py`).
+# 64 and 192 keys ran 5-15% slower from memory.
+VALUE_CHUNK = 32
 
 
 @njit(fastmath=FASTMATH)
@@ -295,9 +303,10 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
     S = Q K^T by `scores_by_dots` on the keys as they lie, the online softmax, then acc += P V
     with the values read in place (bf16 ones paired in registers, P rounded to bf16 first
     and its bits kept in pairs in p_pairs (Hk, rows, W / 2) uint32; see chunked_values).
-    Both products walk (16-key chunk, head) pairs in the order the page lies in memory
-    (`memory_order`); with `prefetch`, each load of a key (value) row asks for the same
-    head's row one (two) chunks on into L2 (see `ahead_of`)."""
+    Both products walk (chunk, head) pairs (chunks of 16 keys for the scores, VALUE_CHUNK
+    for P V) in the order the page lies in memory (`memory_order`); with `prefetch`, each
+    load of a key (value) row asks for the same head's row 16 (32) keys on into L2 (see
+    `ahead_of`)."""
     # Held by the caller: the per-head views and calls below then count no references (the
     # step from L2/L3 1.04-1.08x faster in fp32, 1.03-1.11x in bf16; one thread, Zen 4).
     s, p_pairs, acc = unowned(s), unowned(p_pairs), unowned(acc)
@@ -350,15 +359,15 @@ def chunked_values(p, p_pairs, values, head_major, cols, acc, prefetch):
     one thread, Zen 4, a 16-key chunk in L1). Head-major pages give rows that fit one
     micro-kernel a head's whole tile at once: its accumulators stay in registers across the
     tile's keys (4 rows, 192-key tiles, bf16, Intel Xeon: 37 us against 68 per 2048 keys of
-    2 heads). Otherwise 16-key chunks: more rows' values stay in L1 across the row blocks,
-    and row-major pages are read across their heads (a head at a time, a 16k-key step of
-    32/8 heads ran 1.5x slower); `prefetch` as `micro_kernel_tile`'s."""
+    2 heads). Otherwise chunks of VALUE_CHUNK keys: more rows' values stay in L1 across the
+    row blocks, and row-major pages are read across their heads (a head at a time, a
+    16k-key step of 32/8 heads ran 1.5x slower); `prefetch` as `micro_kernel_tile`'s."""
     kv_heads, rows, width = p.shape
     pages, v_at, v_head, v_row = values
     acc_rows, value_dim = acc.shape[1], acc.shape[2]
-    span = cols if head_major and rows <= BLOCK_ROWS else LANES
-    # Two chunks on: with bf16 values paired, one chunk on read 5% slower from memory (2
-    # threads, 16k keys, B = 1 and 4; fp32 alike either way).
+    span = cols if head_major and rows <= BLOCK_ROWS else VALUE_CHUNK
+    # 32 keys on: with bf16 values paired, 16 keys on read 5% slower from memory (2 threads,
+    # 16k keys, B = 1 and 4; fp32 alike either way).
     ahead = ahead_of(prefetch, v_row, 2)
     chunks = (cols + span - 1) // span
     for item in range(chunks * kv_heads):
