@@ -231,11 +231,11 @@ AMX = -2  # a bf16 step on AMX tiles (`amx_tile`)
 AMX_VALUES_MIN_ROWS = 8
 # Keys a P V product takes at a time over row-major pages (a head's chunk; the chunks walked
 # across the heads, `memory_order`): against 16, each head's accumulators are loaded and
-# stored half as often. One thread, Zen 4, 32/8 heads, E = 128, three pairs of processes in
-# alternation: the step from L2/L3 (`benches/decode_rate.py`) fp32 27.3-27.9 ns a (key, kv
+# stored half as often. One thread, Zen 4, 32/8 heads, E = 128, processes in alternation:
+# the step from L2/L3 (`benches/decode_rate.py`, two pairs) fp32 27.3-27.9 ns a (key, kv
 # head) against 28.2-28.5, bf16 18.6-18.9 against 19.8-20.0; P V alone from cache 11.0-11.4
-# and 7.0 ns against 12.6-13.0 and 8.7-8.8, from memory alike (`benches/decode_stream.py`).
-# 64 and 192 keys ran 5-15% slower from memory.
+# and 7.0 ns against 12.6-13.0 and 8.7-8.8, from memory alike (`benches/decode_stream.py`,
+# three pairs). 64 and 192 keys ran 5-15% slower from memory.
 VALUE_CHUNK = 32
 
 
