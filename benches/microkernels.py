@@ -56,6 +56,7 @@ from attnperf.kernels.numba.kvcache import (
     pack_value_pairs,
 )
 from attnperf.kernels.numba.microkernels import (
+    LANES,
     gemm_fp32,
     inlined_tile_product,
     pack_key_panels,
@@ -69,7 +70,7 @@ from attnperf.kernels.numba.microkernels import (
 from attnperf.machine import cpu_description
 
 ROWS, KEYS = 128, 512
-DECODE_ROWS, DECODE_KEYS, CHUNK = 4, 192, 16  # CHUNK: the scores' keys at a time
+DECODE_ROWS, DECODE_KEYS = 4, 192
 
 
 @njit()
@@ -130,12 +131,13 @@ def repeat_copy(reps, scores, s):
 
 @njit()
 def repeat_scores(reps, depth, q_view, k_view, s_view, rows, keys):
+    """The scores in chunks of LANES keys, inlined as the step's (`micro_kernel_tile`)."""
     k, k_offset, k_stride = k_view
     s, s_offset, s_stride = s_view
     for _ in range(reps):
-        for c in range(0, keys, CHUNK):
+        for c in range(0, keys, LANES):
             scores_by_dots(depth, np.float32(1.0), q_view, (k, k_offset + c * k_stride, k_stride),
-                           (s, s_offset + c, s_stride), rows, min(CHUNK, keys - c))  # fmt: skip
+                           (s, s_offset + c, s_stride), rows, min(LANES, keys - c))  # fmt: skip
 
 
 @njit()
