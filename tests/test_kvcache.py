@@ -333,7 +333,7 @@ def test_numba_decode_every_step_kind_keeps_the_2x_rule(dtype, kind, head_dims, 
     """Each way a step runs, forced whatever this CPU would choose: the micro-kernels (fp32,
     or bf16 dot products where the CPU has them and two FMAs where not) and the per-key
     loops, at head dims off the vector width, both cache layouts, GQA rows of 3; with and
-    without the walk's prefetching (AMD's)."""
+    without the walk's prefetching."""
     monkeypatch.setattr(numba_kvcache, "decode_kind", lambda inputs: kind)
     monkeypatch.setattr(numba_kvcache, "prefetches", lambda: prefetch)
     numba = dispatch.registry()["numba"]

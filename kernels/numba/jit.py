@@ -212,7 +212,7 @@ def split_index(item, heads, tiles):
 
 
 @intrinsic
-def prefetch(typingctx, array, at):
+def prefetch_line(typingctx, array, at):
     """Asks for the cache line of array[at] (a tuple of indices, never checked) into the
     caches, without waiting for it: for rows the prefetchers cannot foresee."""
 

@@ -37,7 +37,7 @@ from attnperf.kernels.numba.jit import (
     aligned_empty,
     njit,
     prange,
-    prefetch,
+    prefetch_line,
     run_bounds,
     wide_vectors,
 )
@@ -344,7 +344,7 @@ def load_rows(x, slot, t0, rows, h, factors, scale, l2norm, out, inverse_norms):
     for i in range(rows):
         if i + PREFETCH_ROWS < rows:
             for d in range(0, x.shape[3], 16):
-                prefetch(x, (slot, t0 + i + PREFETCH_ROWS, h, d))
+                prefetch_line(x, (slot, t0 + i + PREFETCH_ROWS, h, d))
         factor = scale * (factors[i] if factors.shape[0] > 0 else np.float32(1.0))
         if l2norm:
             total = np.float32(0.0)
