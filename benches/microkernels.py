@@ -158,7 +158,7 @@ def repeat_chunked_product(reps, p_view, v_view, acc_view, rows, keys, cols, pai
 @njit()
 def repeat_amx_key_scores(reps, q_pairs, keys, cols, k_tail, st):
     for _ in range(reps):
-        amx_key_scores(q_pairs, keys, False, cols, k_tail, st)
+        amx_key_scores(q_pairs, keys, False, cols, k_tail, st, False)  # from cache: no prefetch
 
 
 @njit()
