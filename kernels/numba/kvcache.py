@@ -432,6 +432,7 @@ def amx_key_scores(q_pairs, keys, head_major, cols, k_tail, st, prefetch):
     chunks = whole_tiles(cols) // TILE_ROWS
     steps = pairs // TILE_PAIRS
     ahead = ahead_of(prefetch, k_row, 1)
+    # Both A operands flat: `_chunk_scores`' one prefetch index serves the pages and k_tail.
     for item in range(chunks * heads):
         c, hk = memory_order(item, chunks, heads, head_major, TILE_ROWS)
         q_at, st_at = hk * q_pairs.shape[1] * q_pairs.shape[2], (hk * per_head + c) * st.shape[1]
