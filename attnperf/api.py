@@ -184,8 +184,8 @@ def attention_with_kvcache(
     as they are written, codes and scales. The output is in q's dtype.
     """
     # The checks of the call's metadata are kept for a call that recurs (attnperf.plans);
-    # its lengths and the backend's choice are worked out every call, but for a named
-    # backend's plain steps, which run on its step launcher once their values are checked.
+    # its lengths and the backend's choice are worked out every call, but for plain steps,
+    # which run on the chosen backend's step launcher once their values are checked.
     metadata = plans.kvcache_key(
         q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_leftpad, is_causal,
         scale, window, softcap, alibi_slopes, num_splits, return_lse, sinks, k_scale, v_scale,
@@ -193,7 +193,7 @@ def attention_with_kvcache(
     step_key = plans.kvcache_step_key(
         metadata, backend, cache_seqlens, k_new, block_table, cache_leftpad, sinks
     )
-    step = None if step_key is None else plans.kept_kvcache_step(step_key)
+    step = None if step_key is None else plans.kept_kvcache_step(step_key, cache_seqlens)
     if step is not None:
         check_step(k_cache, v_cache, cache_seqlens)
         return step(q, k_cache, v_cache, cache_seqlens)
@@ -216,8 +216,33 @@ def attention_with_kvcache(
     if step_key is not None and not inputs.needs_grad:
         launch = chosen.kvcache_step(inputs)
         if launch is not None:
-            plans.keep_kvcache_step(step_key, backend, launch)
+            lengths = dispatch.step_lengths(inputs, backend)
+            plans.keep_kvcache_step(step_key, backend, launch, lengths)
     return inputs.restore(*chosen.run_kvcache(inputs))
+
+
+def heads_first_step(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, *, scale: float | None, window, softcap,
+    backend: str,
+) -> Tensor | None:  # fmt: skip
+    """attention_with_kvcache(q.transpose(1, 2), k_cache.transpose(1, 2),
+    v_cache.transpose(1, 2), S, scale=scale, window=window, softcap=softcap,
+    backend=backend) of SDPA-layout tensors whose every key is in use (transformers'
+    decoding: q (B, Hq, Lq, E), caches (B, H, S, E)), run on the step launcher such a call
+    kept, with no view made: out (B, Lq, Hq, Ev). None where no launcher is kept for it:
+    the caller makes that call (checked, and keeping one)."""
+    metadata = plans.kvcache_key(
+        q, k_cache, v_cache, 0, None, None, None, None, True, scale, window, softcap, None, 0,
+        False, None, None, None, heads_first=True,
+    )  # fmt: skip
+    step_key = plans.kvcache_step_key(metadata, backend, 0, None, None, None, None)
+    if step_key is None:
+        return None
+    length = k_cache.shape[2]
+    step = plans.kept_kvcache_step(step_key, length)
+    if step is None or v_cache.shape[2] != length:  # v's length: the call's own message
+        return None
+    return step(q, k_cache, v_cache, length, heads_first=True)
 
 
 def _autocast_dtype(query: object) -> torch.dtype | None:

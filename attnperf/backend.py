@@ -117,8 +117,9 @@ class Backend:
         ALiBi, sinks or int8 scales), or None (the default: every call runs whole).
         step(q, k_cache, v_cache, cache_seqlens) takes a call's own arguments, its metadata
         that of `inputs` but for the cache's length and its values checked
-        (`serving.check_step`), and returns what attention_with_kvcache returns.
-        attnperf.plans keeps it per call metadata."""
+        (`serving.check_step`), and returns what attention_with_kvcache returns; with
+        heads_first=True, q, k_cache and v_cache come in SDPA's (B, H, L, E) layout
+        (`api.heads_first_step`). attnperf.plans keeps it per call metadata."""
         return None
 
     def run_linear(self, inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:

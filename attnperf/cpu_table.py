@@ -176,9 +176,18 @@ def decode_numba_leads(inputs: KVCacheInputs, rule: DecodeRule) -> bool:
     """Whether the measured decode rule puts numba first for this fp32 step: by the bytes of
     K and V it reads (the same bytes ran at the same speed ratio whatever the heads and
     length: 8 and 128 MiB, 32/8 and 8/2 heads, 2-core AVX-512 machine)."""
-    if inputs.dtype != torch.float32 or rule.numba_from_bytes is None:
-        return False
-    return inputs.kv_bytes >= rule.numba_from_bytes
+    first = decode_numba_from_keys(rule, inputs.dtype, inputs.key_bytes)
+    return first is not None and inputs.kv_keys >= first
+
+
+def decode_numba_from_keys(rule: DecodeRule, dtype: torch.dtype, key_bytes: int) -> int | None:
+    """The fewest keys (summed over a step's sequences, `key_bytes` of K and V each) from
+    which the decode rule puts numba first for a step in `dtype`; None: at none."""
+    if dtype != torch.float32 or rule.numba_from_bytes is None:
+        return None
+    if key_bytes == 0:
+        return 0 if rule.numba_from_bytes <= 0 else None
+    return -(-rule.numba_from_bytes // key_bytes)  # the bytes' ceiling division
 
 
 def numba_leads(inputs: AttentionInputs, rules: list[Rule]) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 
 from torch import Tensor
 
@@ -140,6 +141,34 @@ def selection_state(backend: str) -> tuple:
     if backend != "auto":
         return (registry(),)
     return registry(), cpu_table.load_table(cpu_table.table_path())
+
+
+# Every cache length: a step's lengths where nothing select reads depends on them.
+ANY_LENGTH = range(sys.maxsize)
+
+
+def step_lengths(inputs: KVCacheInputs, backend: str) -> range:
+    """The cache lengths at which `select` chooses as it chose for `inputs`, a plain step
+    (one int length for every sequence, no new keys; `Backend.kvcache_step`), for steps
+    that differ from it in their length alone. What select reads of a step's length: where
+    causality or a window bands the keys, whether the band is shifted (the "bottom_right"
+    feature: a length other than the query count); for "auto" on a CPU, the decode rule's
+    bytes of K and V (`numba_leads_on_cpu`)."""
+    length, q_len = inputs.sequences.max_kv_len, inputs.q_len
+    lengths = ANY_LENGTH
+    if inputs.band is not None:
+        shifted = range(q_len + 1, sys.maxsize) if length > q_len else range(q_len)
+        lengths = range(q_len, q_len + 1) if length == q_len else shifted
+    if backend == "auto" and inputs.device.type == "cpu" and sees_whole_cache(inputs):
+        rule = cpu_table.active_decode_rule()
+        first_keys = None
+        if rule is not None:
+            first_keys = cpu_table.decode_numba_from_keys(rule, inputs.dtype, inputs.key_bytes)
+        if first_keys is not None and inputs.batch > 0:
+            first = -(-first_keys // inputs.batch)  # the first length numba leads at
+            side = range(first, sys.maxsize) if length >= first else range(first)
+            lengths = range(max(lengths.start, side.start), min(lengths.stop, side.stop))
+    return lengths
 
 
 def attend(inputs: AttentionInputs, backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:

@@ -11,14 +11,16 @@ metadata; the next call with that metadata binds its own tensors to it and runs.
 
 An attention_with_kvcache call keeps the checks of its metadata alone: its lengths are
 values, checked per call, and so is the backend's choice, which may read them. Where the
-backend is named and the call is a plain step (a contiguous cache, one int length, no new
-keys, left padding or sinks: transformers' decoding), the backend's own launcher for such
-steps is kept too (`Backend.kvcache_step`), and the next step runs on it after its values'
-checks alone.
+call is a plain step (a contiguous cache, one int length, no new keys, left padding or
+sinks: transformers' decoding), the chosen backend's own launcher for such steps is kept
+too (`Backend.kvcache_step`), with the lengths over which the choice stands
+(`dispatch.step_lengths`), and the next step of such a length runs on it after its
+values' checks alone.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -139,7 +141,7 @@ def _current(requested: str, selection_state: tuple) -> bool:
     """Whether what the choice of `requested` read (the registry, for "auto" the CPU table
     in force) is what a plan's choice read."""
     now = dispatch.selection_state(requested)
-    return all(a is b for a, b in zip(selection_state, now, strict=True))
+    return len(now) == len(selection_state) and all(map(operator.is_, selection_state, now))
 
 
 def keep_dense_plan(key: tuple, inputs: AttentionInputs, requested: str, chosen: Backend) -> None:
@@ -166,13 +168,17 @@ def keep_dense_plan(key: tuple, inputs: AttentionInputs, requested: str, chosen:
 def kvcache_key(
     q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_leftpad, is_causal,
     scale, window, softcap, alibi_slopes, num_splits, return_lse, sinks, k_scale, v_scale,
+    heads_first=False,
 ) -> tuple | None:  # fmt: skip
     """The metadata an attention_with_kvcache call's checks of metadata read
     (`serving.check_kvcache_call`), or None where a plan cannot stand for them (ALiBi
     slopes, an int8 cache's scales, an argument of another type). A contiguous cache's
     length is left out: a cache that grows by a row each step keeps its plan (its lengths
-    are checked against it per call)."""
+    are checked against it per call). heads_first: q, k_cache and v_cache are given in
+    SDPA's (B, H, L, E) layout, a contiguous cache's; the key is their (B, L, H, E) views'."""
     if alibi_slopes is not None or k_scale is not None or v_scale is not None:
+        return None
+    if heads_first and (block_table is not None or type(q) is not Tensor or q.dim() != 4):
         return None
     plain = (
         type(is_causal) is bool
@@ -188,12 +194,19 @@ def kvcache_key(
     if block_table is None:
         if type(k_cache) is not Tensor or type(v_cache) is not Tensor:
             return None
-        if k_cache.dim() != 4 or v_cache.dim() != 4:
+        k_shape, v_shape = k_cache.shape, v_cache.shape  # each read makes a torch.Size
+        if len(k_shape) != 4 or len(v_shape) != 4:
             return None
-        k_rows, v_rows = ((t.shape[0], t.shape[2], t.shape[3]) for t in (k_cache, v_cache))
+        heads = 1 if heads_first else 2
+        k_rows = (k_shape[0], k_shape[heads], k_shape[3])
+        v_rows = (v_shape[0], v_shape[heads], v_shape[3])
+    q_shape = None
+    if heads_first:
+        batch, q_heads, q_len, head_dim = q.shape
+        q_shape = torch.Size((batch, q_len, q_heads, head_dim))
     lengths = "int" if type(cache_seqlens) is int else _tensor_key(cache_seqlens)
     tensors = (
-        _tensor_key(q), _tensor_key(k_cache, k_rows), _tensor_key(v_cache, v_rows),
+        _tensor_key(q, q_shape), _tensor_key(k_cache, k_rows), _tensor_key(v_cache, v_rows),
         _optional_key(k_new), _optional_key(v_new), _optional_key(block_table), lengths,
         _optional_key(cache_leftpad), _optional_key(sinks),
     )  # fmt: skip
@@ -220,6 +233,7 @@ class KVCacheStep:
     launch: Callable[..., object]
     requested: str
     selection_state: tuple
+    lengths: range  # the cache lengths it serves (`dispatch.step_lengths`)
 
 
 def kvcache_step_key(
@@ -227,30 +241,37 @@ def kvcache_step_key(
     sinks,
 ) -> tuple | None:  # fmt: skip
     """The key of a backend's step launcher for calls with this metadata (`kvcache_key`),
-    or None where the call is no plain step: "auto" (whose choice may read the lengths),
-    lengths not one int, new keys, a paged cache, left padding, sinks. The launcher's work
-    depends on the grad mode and the thread count too."""
+    or None where the call is no plain step: lengths not one int, new keys, a paged cache,
+    left padding, sinks. The launcher's work depends on the grad mode and the thread count
+    too."""
     plain = (
-        type(backend) is str and backend != "auto" and type(cache_seqlens) is int
-        and k_new is None and block_table is None and cache_leftpad is None and sinks is None
+        type(backend) is str and type(cache_seqlens) is int and k_new is None
+        and block_table is None and cache_leftpad is None and sinks is None
     )  # fmt: skip
     if metadata is None or not plain:
         return None
     return ("step", metadata, backend, torch.is_grad_enabled(), torch.get_num_threads())
 
 
-def kept_kvcache_step(key: tuple) -> Callable[..., object] | None:
-    """The step launcher kept for `key`, if the backend's choice would still read what it
-    read."""
+def kept_kvcache_step(key: tuple, cache_seqlens: int) -> Callable[..., object] | None:
+    """The step launcher kept for `key`, if the backend's choice for a cache of
+    `cache_seqlens` keys would still read what it read."""
     step = _PLANS.get(key)
-    current = step is not None and _current(step.requested, step.selection_state)
+    current = (
+        step is not None
+        and cache_seqlens in step.lengths
+        and _current(step.requested, step.selection_state)
+    )
     return step.launch if current else None
 
 
-def keep_kvcache_step(key: tuple, backend: str, launch: Callable[..., object]) -> None:
-    """Keep a named backend's step launcher for the next call with its key
-    (`kvcache_step_key`)."""
-    _keep(key, KVCacheStep(launch, backend, dispatch.selection_state(backend)))
+def keep_kvcache_step(
+    key: tuple, backend: str, launch: Callable[..., object], lengths: range
+) -> None:
+    """Keep the step launcher of the backend chosen for `backend` ("auto" or its name) for
+    the next call with its key (`kvcache_step_key`) and a length in `lengths`
+    (`dispatch.step_lengths`)."""
+    _keep(key, KVCacheStep(launch, backend, dispatch.selection_state(backend), lengths))
 
 
 def _keep(key: tuple, plan: object) -> None:

@@ -309,10 +309,14 @@ class KVCacheInputs:
         return self.k_scale is not None
 
     @property
+    def kv_keys(self) -> int:
+        """Keys the call's sequences read, summed over them."""
+        return sum(self.sequences.table.numpy()[:, 4].tolist())  # a list: see Sequences
+
+    @property
     def kv_bytes(self) -> int:
         """Bytes of K and V the call's sequences read (`key_bytes` a key)."""
-        keys = sum(self.sequences.table.numpy()[:, 4].tolist())  # a list: see Sequences
-        return keys * self.key_bytes
+        return self.kv_keys * self.key_bytes
 
     @property
     def key_bytes(self) -> int:

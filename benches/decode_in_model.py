@@ -1,13 +1,15 @@
 """A decoding step's attention as a model's generate meets it: through the transformers
-integration (`attention_forward`, backend "numba") against transformers' own
+integration (`attention_forward`, backend "auto", the registered default, and "numba")
+against transformers' own
 `sdpa_attention_forward`, on a cache that grows by a row each step (DynamicCache's
 torch.cat) with an MLP-sized matmul between steps, whose data evict the interpreter's and
 torch's from the caches as a layer's weights do. `decode_steps.py` times the same step back
 to back, where Python costs 2-4x less.
 
 A Llama-like layer's attention (8/2 heads, E = 128, B = 1, one token), from `--keys`
-cached keys on, 32 steps a round, the two taking turns; prints each one's median
-microseconds a step over `--rounds` rounds and SDPA's time over numba's (> 1: numba faster).
+cached keys on, 32 steps a round, the three taking turns; prints each one's median
+microseconds a step over `--rounds` rounds and SDPA's time over attnperf's (> 1: attnperf
+faster). Without an `attnperf tune` table, "auto" serves these steps with SDPA.
 
     python benches/decode_in_model.py [--keys 2048] [--dtype bfloat16] [--rounds 9]
 """
@@ -62,6 +64,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     calls = {
         "sdpa": sdpa_attention_forward,
+        "auto": lambda *a, **kw: attention_forward(*a, backend="auto", **kw),
         "numba": lambda *a, **kw: attention_forward(*a, backend="numba", **kw),
     }
     for attend in calls.values():  # compiled, warm
@@ -70,12 +73,12 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, attend in calls.items():
             times[name].append(round_us(attend, args.keys, dtype))
-    sdpa, numba = (statistics.median(times[name]) for name in ("sdpa", "numba"))
+    sdpa, auto, numba = (statistics.median(times[name]) for name in calls)
     cpu = cpu_description()
     print(f"cpu {cpu['cpu_model']}, {torch.get_num_threads()} threads; {args.dtype}, "
           f"{Q_HEADS}/{KV_HEADS} heads, E = {HEAD_DIM}, from {args.keys} keys: "
-          f"transformers' sdpa {sdpa:.1f} us, attnperf numba {numba:.1f} us a step, "
-          f"{sdpa / numba:.2f}x")  # fmt: skip
+          f"transformers' sdpa {sdpa:.1f} us a step; attnperf \"auto\" {auto:.1f} us, "
+          f"{sdpa / auto:.2f}x; attnperf numba {numba:.1f} us, {sdpa / numba:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -90,6 +90,50 @@ class SdpaBackend(Backend):
             key, value = (t[pages, rows].transpose(1, 2) for t in (inputs.k_pages, inputs.v_pages))
         return _ragged_sdpa(inputs, inputs.query, key, value, table), None
 
+    def kvcache_step(self, inputs: KVCacheInputs) -> SdpaKVCacheStep | None:
+        """A step launcher (`SdpaKVCacheStep`) where the call's rows see their whole cache,
+        else None."""
+        return SdpaKVCacheStep(inputs) if sees_whole_cache(inputs) else None
+
+
+class SdpaKVCacheStep:
+    """sdpa's launcher for the next steps of a call whose rows see their whole cache
+    (`Backend.kvcache_step`): `_kvcache_rows`' one call, the group's query heads packed as
+    rows over the cache's (B, H, S, E) view, with what it works out of the call's metadata
+    worked out once."""
+
+    def __init__(self, inputs: KVCacheInputs):
+        batch, q_heads, q_len, head_dim = inputs.query.shape
+        self.q_len, self.scale = q_len, inputs.scale
+        self.rows_shape = (batch, inputs.kv_heads, q_heads // inputs.kv_heads * q_len, head_dim)
+        self.out_shape = (batch, q_heads, q_len, inputs.value_dim)
+
+    def __call__(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: int,
+        heads_first: bool = False,
+    ) -> Tensor:  # fmt: skip
+        """attention_with_kvcache(q, k_cache, v_cache, cache_seqlens) of a step whose metadata
+        is the call's this step was made for (a cache of another length), its values checked
+        (`serving.check_step`); heads_first: q, k_cache and v_cache in SDPA's (B, H, L, E)
+        layout, the output as ever."""
+        if heads_first:
+            query, seq_dim = q, 2
+        else:  # (B, 1, Hq, E) is in the rows' order
+            query, seq_dim = (q if self.q_len == 1 else q.transpose(1, 2)), 1
+        rows = query.reshape(self.rows_shape)
+        if cache_seqlens == 0 or rows.shape[0] == 0:
+            out = rows.new_zeros((*self.rows_shape[:3], self.out_shape[3]))
+        else:
+            if cache_seqlens < k_cache.shape[seq_dim]:
+                k_cache, v_cache = (t.narrow(seq_dim, 0, cache_seqlens) for t in (k_cache, v_cache))
+            if not heads_first:
+                k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+            out = F.scaled_dot_product_attention(rows, k_cache, v_cache, scale=self.scale)
+        batch, q_heads, q_len, value_dim = self.out_shape
+        if q_len == 1:  # (B, H, group, Ev) is (B, 1, Hq, Ev)
+            return out.reshape(batch, 1, q_heads, value_dim)
+        return out.reshape(self.out_shape).transpose(1, 2)
+
 
 def sees_whole_cache(inputs: KVCacheInputs) -> bool:
     """Whether every query row attends to all of its sequence's keys, unbiased: one token

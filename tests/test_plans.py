@@ -291,18 +291,17 @@ def test_a_planned_step_still_checks_its_values(binds):
         attnperf.attention_with_kvcache(q, torch.randn(2, 12, 2, 8), v_cache, 8, backend="numba")
     with pytest.raises(TypeError, match="cache_seqlens must be an int"):
         attnperf.attention_with_kvcache(q, k_cache, v_cache, 8.0, backend="numba")
-    assert binds[0] == 1 + 1  # the first call; the float length went the whole way
+    assert binds[0] == 1 + 2  # the first call; the negative and the float lengths, whole
 
 
-def test_steps_are_kept_for_plain_calls_of_a_named_backend_only(binds):
-    """ "auto" (its choice may read the lengths), tensor lengths, new keys, left padding,
-    sinks, a paged cache and an fp16 cache (converted per call) run whole every time."""
+def test_steps_are_kept_for_plain_calls_only(binds):
+    """Tensor lengths, new keys, left padding, sinks, a paged cache and an fp16 cache
+    (converted per call) run whole every time."""
     q = torch.randn(1, 1, 4, 8)
     k_cache, v_cache = torch.randn(1, 32, 2, 8), torch.randn(1, 32, 2, 8)
     new = torch.randn(1, 1, 2, 8)
     pages, table = torch.randn(2, 16, 2, 8), torch.tensor([[0, 1]], dtype=torch.int32)
     calls = [
-        lambda: attnperf.attention_with_kvcache(q, k_cache, v_cache, 8),
         lambda: attnperf.attention_with_kvcache(
             q, k_cache, v_cache, torch.tensor([8], dtype=torch.int32), backend="numba"),
         lambda: attnperf.attention_with_kvcache(q, k_cache, v_cache, 8, new, new,
@@ -322,6 +321,83 @@ def test_steps_are_kept_for_plain_calls_of_a_named_backend_only(binds):
         call()
         call()
         assert binds[0] == before + 2
+
+
+@pytest.mark.parametrize("q_len, is_causal", [(1, True), (3, False)])
+def test_sdpas_plain_steps_run_on_its_step_launcher(binds, q_len, is_causal):
+    """sdpa's step launcher (rows that see their whole cache: one token, or no causality)
+    gives the whole call's result: a growing head-major cache, a row-major one, a cache
+    longer than its length, no keys at all."""
+    q = torch.randn(2, q_len, 8, 64)
+    keys, values = (torch.randn(2, 2, 300, 64) for _ in range(2))
+    steps = [(length, *(t[:, :, :length].transpose(1, 2) for t in (keys, values)))
+             for length in (100, 101)]  # fmt: skip
+    steps.append((50, steps[-1][1].contiguous(), steps[-1][2].contiguous()))
+    steps.append((0, keys.transpose(1, 2), values.transpose(1, 2)))
+    expected = [whole_call(q, k, v, length, is_causal=is_causal, backend="sdpa")
+                for length, k, v in steps]  # fmt: skip
+    for (length, k_cache, v_cache), out in zip(steps, expected, strict=True):
+        got = attnperf.attention_with_kvcache(q, k_cache, v_cache, length, is_causal=is_causal,
+                                              backend="sdpa")  # fmt: skip
+        assert got.shape == out.shape and torch.equal(got, out)
+    # the first step; under causality no keys too (its band not shifted: dispatch.step_lengths)
+    assert binds[0] == len(steps) + (2 if is_causal else 1)
+
+
+def test_auto_steps_run_on_the_launcher_of_the_backend_it_chose(binds, monkeypatch):
+    """ "auto" keeps the chosen backend's step launcher for the lengths its choice stands
+    at (`dispatch.step_lengths`): under a decode rule that puts numba first from 4 KiB of K
+    and V (fp32, 2 kv heads, E = 8: 128 bytes a key, 32 keys), steps of 20 to 31 keys run
+    on sdpa's, from 32 on numba's, each with the whole call's result; crossing the rule
+    runs whole."""
+    rule = cpu_table.DecodeRule(numba_from_bytes=4096, ratios={})
+    monkeypatch.setattr(cpu_table, "active_decode_rule", lambda: rule)
+    q = torch.randn(1, 1, 4, 8)
+    keys, values = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    lengths = (20, 21, 31, 32, 33, 39, 31)
+    caches = [(n, *(t[:, :, :n].transpose(1, 2) for t in (keys, values))) for n in lengths]
+    expected = [whole_call(q, k, v, n) for n, k, v in caches]
+    chosen = [whole_call(q, k, v, n, backend="numba" if n >= 32 else "sdpa") for n, k, v in caches]
+    assert all(torch.equal(a, b) for a, b in zip(expected, chosen, strict=True))
+    binds[0] = 0
+    for (n, k_cache, v_cache), out in zip(caches, expected, strict=True):
+        assert torch.equal(attnperf.attention_with_kvcache(q, k_cache, v_cache, n), out)
+    assert binds[0] == 3  # the first step, the first from 32 keys on, 31 keys again
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("backend", ["numba", "sdpa"])
+def test_heads_first_steps_run_on_the_launcher_their_call_kept(binds, backend, q_len):
+    """api.heads_first_step (transformers' decoding: q (B, Hq, Lq, E), caches (B, H, S, E),
+    every key in use) runs where the same call through attention_with_kvcache kept a
+    launcher, with its result; else (no launcher yet, or none for the call: sdpa's needs
+    one token) it answers None, and so it does where v's length differs (the call's own
+    error follows)."""
+    q = torch.randn(1, 8, q_len, 64)
+    keys, values = (torch.randn(1, 2, 300, 64) for _ in range(2))
+
+    def heads_first(q, k, v):
+        return api.heads_first_step(q, k, v, scale=0.1, window=None, softcap=None,
+                                    backend=backend)  # fmt: skip
+
+    def whole(q, k, v):
+        return attnperf.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), k.shape[2], scale=0.1,
+                                               backend=backend)  # fmt: skip
+
+    caches = [(keys[:, :, :n].contiguous(), values[:, :, :n].contiguous()) for n in (101, 150)]
+    caches.append((keys[:, :, :200], values[:, :, :200]))  # a static cache's rows: strided
+    expected = [whole_call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), k.shape[2],
+                           scale=0.1, backend=backend) for k, v in caches]  # fmt: skip
+    assert heads_first(q, keys, values) is None
+    whole(q, keys[:, :, :100], values[:, :, :100])
+    kept = backend == "numba" or q_len == 1
+    for (k, v), out in zip(caches, expected, strict=True):
+        got = heads_first(q, k, v)
+        assert (got is not None) == kept
+        if kept:
+            assert got.shape == out.shape and torch.equal(got, out)
+    assert heads_first(q, keys[:, :, :120], values[:, :, :121]) is None
 
 
 def test_a_step_is_kept_per_thread_count_and_grad_mode(binds):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attnperf import dispatch
+from attnperf import dispatch, plans
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed")
 
@@ -162,6 +162,34 @@ def test_the_registered_function_really_runs(monkeypatch):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     layers = model.config.num_hidden_layers
     assert calls == ["padded_batch"] * layers + ["attention_with_kvcache"] * 2 * layers
+
+
+@pytest.mark.parametrize("backend", ["numba", "auto"])
+def test_unpadded_decoding_runs_on_the_kept_step_launcher(backend, monkeypatch):
+    """Without padding, the first single-token step is a KV-cache call, which keeps its
+    backend's step launcher; every later step of every layer (the same metadata) runs on
+    it through api.heads_first_step, with no view of the query and the cache made."""
+    import attnperf.integrations.transformers as integration
+
+    calls = []
+    for name in ("attention_with_kvcache", "heads_first_step"):
+        original = getattr(integration, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            result = _original(*args, **kwargs)
+            calls.append((_name, result is not None))
+            return result
+
+        monkeypatch.setattr(integration, name, spy)
+    name = register(f"attnperf-probe-{backend}", backend=backend)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+    plans.clear()  # none kept by an earlier test's model
+    with torch.no_grad():
+        model = build(llama(), name)
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    steps = 3 * model.config.num_hidden_layers
+    assert calls[:2] == [("heads_first_step", False), ("attention_with_kvcache", True)]
+    assert calls[2:] == [("heads_first_step", True)] * (steps - 1)
 
 
 # ---------------------------------------------------------------------- linear attention

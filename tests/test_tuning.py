@@ -138,6 +138,25 @@ def test_decoding_follows_the_measured_cache_size(inputs, with_table, without, c
     assert dispatch.priority(inputs)[:2] == first[with_table]
 
 
+@pytest.mark.parametrize("keys, window", [(256, None), (1024, None), (1, None), (256, (64, 0))])
+def test_a_kept_auto_step_serves_the_lengths_of_its_choice(keys, window, cache):
+    """dispatch.step_lengths: at every length it holds, "auto" chooses for a step as it
+    chose for the step kept, reading the same features; the decode rule (numba from 1 MiB:
+    512 keys a sequence here) bounds it where it decides."""
+    tune.write_table(measured_table(), cache / cpu_table.FILE_NAME)
+    kept = decode_step(keys, window=window)
+    lengths = dispatch.step_lengths(kept, "auto")
+    assert keys in lengths
+    for length in (0, 1, 2, 255, 511, 512, 513, 4096):
+        step = decode_step(length, window=window)
+        if length in lengths:
+            assert dispatch.select(step) is dispatch.select(kept)
+            assert step.features() == kept.features()
+    ruled = window is None and keys > 1  # one key, unshifted, holds that length alone
+    assert ((511 in lengths) != (512 in lengths)) == ruled
+    assert dispatch.step_lengths(kept, "numba") == dispatch.step_lengths(kept, "sdpa")
+
+
 @pytest.mark.parametrize("text, warning", INVALID.values(), ids=INVALID.keys())
 def test_an_invalid_table_is_ignored_with_a_warning(text, warning, cache):
     (cache / cpu_table.FILE_NAME).write_text(text)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from attnperf import dispatch
-from attnperf.api import attention, attention_with_kvcache, linear_attention
+from attnperf.api import attention, attention_with_kvcache, heads_first_step, linear_attention
 from attnperf.inputs import prepare
 from attnperf.serving import dequantize_kv, padded_batch, quantize_kv
 
@@ -87,15 +87,21 @@ def attention_forward(
             every_query = bool((q_starts == 0).all() & (q_lens == q_len).all())
             every_key = bool((k_starts == 0).all() & (k_lens == key.shape[2]).all())
         if every_query and q_len <= DECODE_QUERIES and not _wants_grad(query, key, value):
-            device = query.device
-            lengths, leftpad = key.shape[2], None
-            if not every_key:
-                lengths, leftpad = (k_starts + k_lens).int().to(device), k_starts.int().to(device)
-            out = attention_with_kvcache(
-                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), lengths,
-                cache_leftpad=leftpad, scale=scaling, window=window, softcap=softcap,
-                backend=backend, sinks=sinks,
-            )  # fmt: skip
+            out = None
+            if every_key and sinks is None:  # a plain step: on the launcher kept for it, if any
+                out = heads_first_step(query, key, value, scale=scaling, window=window,
+                                       softcap=softcap, backend=backend)  # fmt: skip
+            if out is None:
+                lengths, leftpad = key.shape[2], None
+                if not every_key:
+                    device = query.device
+                    lengths = (k_starts + k_lens).int().to(device)
+                    leftpad = k_starts.int().to(device)
+                out = attention_with_kvcache(
+                    query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), lengths,
+                    cache_leftpad=leftpad, scale=scaling, window=window, softcap=softcap,
+                    backend=backend, sinks=sinks,
+                )  # fmt: skip
             return out.contiguous(), None
         if not (every_query and every_key):
             inputs = prepare(

@@ -47,6 +47,7 @@ from attnperf.kernels.numba.jit import (
 from attnperf.kernels.numba.launch import (
     as_numpy,
     empty_output,
+    empty_output_like,
     memory_as,
     memory_of,
     run_parallel,
@@ -967,26 +968,44 @@ class KVCacheStep:
         self.table = as_numpy(inputs.block_table.cpu())
         self.batch, self.q_len, self.kv_heads = inputs.batch, inputs.q_len, inputs.kv_heads
         self.out_shape = (inputs.batch, inputs.q_heads, inputs.q_len, inputs.value_dim)
+        self.rows_shape = (inputs.batch, inputs.kv_heads, inputs.q_heads // inputs.kv_heads,
+                           inputs.head_dim)  # one token's  # fmt: skip
         self.out_dtype = inputs.dtype
+        self.out_like_q = inputs.value_dim == inputs.head_dim  # one token's out: q's shape
         self.key_bytes = inputs.key_bytes
         self.num_splits, self.scale = inputs.num_splits, inputs.scale
         self.return_lse = inputs.variant.return_lse
 
-    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: int):
+    def __call__(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: int,
+        heads_first: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """attention_with_kvcache(q, k_cache, v_cache, cache_seqlens) of a step whose
         metadata is the call's this step was made for (a cache of another length), its
-        values checked (`serving.check_step`). One token's step makes no view: its query,
+        values checked (`serving.check_step`); heads_first: q, k_cache and v_cache in SDPA's
+        (B, H, L, E) layout, the output as ever. One token's step makes no view: its query,
         the pages and its output are read and written where they lie (`memory_as`; inside a
         model's generate each view cost ~2.5 us, a tenth of the step's Python)."""
-        head_major = _is_head_major(k_cache) and _is_head_major(v_cache)
-        k_pages, v_pages = (t if head_major else t.contiguous() for t in (k_cache, v_cache))
+        if heads_first and k_cache.is_contiguous() and v_cache.is_contiguous():
+            head_major, k_memory, v_memory = True, memory_of(k_cache), memory_of(v_cache)
+        else:
+            if heads_first:
+                k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+            head_major = _is_head_major(k_cache) and _is_head_major(v_cache)
+            if not head_major:
+                k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # alive to the end
+            k_memory, v_memory = (_page_memory(t, head_major) for t in (k_cache, v_cache))
         one_token = self.q_len == 1 and q.is_contiguous() and q.dtype == _ROWS_DTYPE[self.kind]
         batch, heads, q_len, value_dim = self.out_shape
         if one_token:  # (B, 1, Hq, E) is (B, H, group, E) rows, and the output's layouts agree
-            rows = memory_as(q, (batch, self.kv_heads, heads // self.kv_heads, q.shape[3]))
-            out = empty_output((batch, 1, heads, value_dim), self.out_dtype)
+            rows = memory_as(q, self.rows_shape)
+            if self.out_like_q and not heads_first:  # q's dtype too: _ROWS_DTYPE's is the cache's
+                out = empty_output_like(q)
+            else:
+                out = empty_output((batch, 1, heads, value_dim), self.out_dtype)
         else:
-            query = query_rows(q.transpose(1, 2), self.kv_heads, self.kind)  # alive to the return
+            query = q if heads_first else q.transpose(1, 2)
+            query = query_rows(query, self.kv_heads, self.kind)  # alive to the return
             rows = memory_of(query)
             out = empty_output(self.out_shape, self.out_dtype)
         stats, stats_memory = stats_output((batch, heads, q_len, 2), self.return_lse)
@@ -998,9 +1017,8 @@ class KVCacheStep:
                 stats.zero_()
         else:
             launch_step(
-                rows, _page_memory(k_pages, head_major), _page_memory(v_pages, head_major),
-                head_major, self.kind, (NO_SCALES, NO_SCALES), self.table,
-                with_sequences(self.variant, table), self.scale,
+                rows, k_memory, v_memory, head_major, self.kind, (NO_SCALES, NO_SCALES),
+                self.table, with_sequences(self.variant, table), self.scale,
                 split_count(self.num_splits, batch, cache_seqlens, threads), threads > 1,
                 memory_as(out, self.out_shape), stats_memory,
             )  # fmt: skip
