@@ -107,7 +107,7 @@ def tune_command(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 160)
     lengths = tuple(args.lengths or tune.LENGTHS)
     decode_lengths = tuple(args.decode_lengths or tune.DECODE_LENGTHS)
-    jobs = len(tune.DTYPES) * len(tune.SHAPES) * len(lengths) * 2 * 2 * 2 + len(decode_lengths)
+    jobs = len(tune.DTYPES) * (len(tune.SHAPES) * len(lengths) * 2 * 2 * 2 + len(decode_lengths))
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("tuning", total=jobs)
         table = tune.calibrate(
@@ -122,12 +122,13 @@ def tune_command(args: argparse.Namespace) -> int:
         ratios = ", ".join(f"L={length}: {ratio:.2f}x" for length, ratio in rule["ratios"].items())
         first = f"numba from L={rule['numba_from']}" if rule["numba_from"] else "sdpa"
         console.print(f"{kind:41s} {first:22s} numba/sdpa {ratios}", highlight=False)
-    decode = table["decode"]
-    start = decode["numba_from_bytes"]
-    first = f"numba from {start / 2**20:.0f} MiB" if start else "sdpa"
-    ratios = ", ".join(f"{int(size) / 2**20:.0f} MiB: {ratio:.2f}x"
-                       for size, ratio in decode["ratios"].items())  # fmt: skip
-    console.print(f"{'decode (K+V per call)':32s} {first:22s} numba/sdpa {ratios}", highlight=False)
+    for decode in table["decode"]:
+        start = decode["numba_from_bytes"]
+        first = f"numba from {start / 2**20:g} MiB" if start is not None else "sdpa"
+        ratios = ", ".join(f"{int(size) / 2**20:g} MiB: {ratio:.2f}x"
+                           for size, ratio in decode["ratios"].items())  # fmt: skip
+        kind = f"{decode['dtype']} decode (K+V per call)"
+        console.print(f"{kind:41s} {first:22s} numba/sdpa {ratios}", highlight=False)
     console.print(f"written: {path}", highlight=False)
     return 0
 
@@ -528,8 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--lengths", type=positive_int, nargs="+",
                    help="L = S values (default 1024 2048 4096)")  # fmt: skip
     t.add_argument("--decode-lengths", type=positive_int, nargs="+",
-                   help="decoding's cache lengths, B = 1, Llama-3-8B heads (default 1024 4096 "
-                        "16384 65536)")  # fmt: skip
+                   help="decoding's cache lengths, B = 1, Llama-3-8B heads, fp32 and bf16 "
+                        "(default 64 256 1024 4096 16384 65536)")  # fmt: skip
     t.add_argument("--rounds", type=positive_int, default=5, help="timed rounds per point")
     t.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)

@@ -26,7 +26,7 @@ from attnperf.machine import cpu_description
 from attnperf.serving import KVCacheInputs
 from attnperf.version import __version__
 
-SCHEMA = 1
+SCHEMA = 2  # 2: a decode rule per dtype
 MEASURED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # `attnperf tune`'s
 FILE_NAME = "cpu-dispatch.json"
 
@@ -83,27 +83,28 @@ class Rule:
 
 @dataclass(frozen=True)
 class DecodeRule:
-    """The measured decoding class (one query token per sequence over its whole cache, fp32,
-    which SDPA serves with the group packed as rows): numba first from `numba_from_bytes` of
-    K and V read per call on (None: never, within the sizes measured)."""
+    """The measured decoding class (one query token per sequence over its whole cache in
+    `dtype`, which SDPA serves with the group packed as rows): numba first from
+    `numba_from_bytes` of K and V read per call on (None: never, within the sizes measured)."""
 
     numba_from_bytes: int | None
     ratios: dict[int, float]  # numba's speed / sdpa's, same run, per bytes of K and V
+    dtype: str = "float32"  # "float32" or "bfloat16"
 
 
-def _decode_rule(table: dict) -> DecodeRule | None:
-    """The table's decode rule (None where it has none), or ValueError when malformed."""
-    if "decode" not in table:
-        return None
+def _decode_rules(table: dict) -> list[DecodeRule]:
+    """The table's decode rules, one per measured dtype, or ValueError when malformed."""
     try:
-        entry = table["decode"]
-        rule = DecodeRule(entry["numba_from_bytes"],
-                          {int(k): v for k, v in entry["ratios"].items()})  # fmt: skip
+        rules = [DecodeRule(**{**r, "ratios": {int(k): v for k, v in r["ratios"].items()}})
+                 for r in table.get("decode", [])]  # fmt: skip
     except (KeyError, TypeError, AttributeError, ValueError) as error:
         raise ValueError(f"malformed decode rule ({type(error).__name__}: {error})") from None
-    if rule.numba_from_bytes is not None and not isinstance(rule.numba_from_bytes, int):
-        raise ValueError(f"malformed decode rule {rule}")
-    return rule
+    for rule in rules:
+        if rule.numba_from_bytes is not None and not isinstance(rule.numba_from_bytes, int):
+            raise ValueError(f"malformed decode rule {rule}")
+        if rule.dtype not in MEASURED_DTYPES.values():
+            raise ValueError(f"malformed decode rule {rule}: dtype {rule.dtype!r}")
+    return rules
 
 
 def _rules(table: dict) -> list[Rule]:
@@ -134,7 +135,7 @@ def load_table(path: Path | None = None) -> tuple[dict | None, list[Rule], str]:
         if not isinstance(table, dict):
             raise ValueError("not a JSON object")
         rules = _rules(table)
-        _decode_rule(table)
+        _decode_rules(table)
     except (OSError, ValueError) as error:
         message = f"attnperf ignores the tuning table {path}: {error}; run `attnperf tune`"
         warnings.warn(message, RuntimeWarning, stacklevel=2)
@@ -166,24 +167,29 @@ def active_rules() -> tuple[list[Rule], str]:
     return rules, status
 
 
-def active_decode_rule() -> DecodeRule | None:
-    """The decode rule "auto" follows now: the valid table's, else None (sdpa first)."""
+def active_decode_rule(dtype: torch.dtype) -> DecodeRule | None:
+    """The decode rule "auto" follows now for steps in `dtype`: the valid table's, else None
+    (sdpa first)."""
     rules, _ = active_rules()
-    return _decode_rule(load_table(table_path())[0]) if rules else None
+    name = MEASURED_DTYPES.get(dtype)
+    if not rules or name is None:
+        return None
+    return next((r for r in _decode_rules(load_table(table_path())[0]) if r.dtype == name), None)
 
 
 def decode_numba_leads(inputs: KVCacheInputs, rule: DecodeRule) -> bool:
-    """Whether the measured decode rule puts numba first for this fp32 step: by the bytes of
-    K and V it reads (the same bytes ran at the same speed ratio whatever the heads and
-    length: 8 and 128 MiB, 32/8 and 8/2 heads, 2-core AVX-512 machine)."""
-    first = decode_numba_from_keys(rule, inputs.dtype, inputs.key_bytes)
+    """Whether the measured decode rule puts numba first for this step: by the bytes of K
+    and V it reads (the same bytes ran at the same speed ratio whatever the heads and length:
+    8 and 128 MiB, 32/8 and 8/2 heads, fp32, 2-core AVX-512 machine; small steps, whose
+    fixed costs differ by heads and layout, are measured in two shapes: `attnperf tune`)."""
+    first = decode_numba_from_keys(rule, inputs.key_bytes)
     return first is not None and inputs.kv_keys >= first
 
 
-def decode_numba_from_keys(rule: DecodeRule, dtype: torch.dtype, key_bytes: int) -> int | None:
+def decode_numba_from_keys(rule: DecodeRule, key_bytes: int) -> int | None:
     """The fewest keys (summed over a step's sequences, `key_bytes` of K and V each) from
-    which the decode rule puts numba first for a step in `dtype`; None: at none."""
-    if dtype != torch.float32 or rule.numba_from_bytes is None:
+    which the decode rule puts numba first; None: at none."""
+    if rule.numba_from_bytes is None:
         return None
     if key_bytes == 0:
         return 0 if rule.numba_from_bytes <= 0 else None

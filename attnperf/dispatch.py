@@ -47,9 +47,10 @@ def numba_leads_on_cpu(inputs: AttentionInputs | KVCacheInputs) -> bool:
     """Whether numba goes first for this CPU call: for the variants in MASKED_BY_SDPA, and
     where this machine's measured table (`attnperf tune`) puts it first. Decoding steps that
     sdpa serves with the group packed as rows, no mask (sdpa.sees_whole_cache), follow the
-    table's decode rule: numba from a measured cache size on (for reference, 128 MiB of K and
-    V on the 2-core AVX-512 machine, where both leave its L3: 1.3-1.8x there, 0.4-0.9x on
-    8-32 MiB); sdpa first without a table.
+    table's decode rule for their dtype (fp32 or bf16; others: sdpa first): numba from a
+    measured cache size on (for reference, 128 MiB of fp32 K and V on the 2-core AVX-512
+    machine, where both leave its L3: 1.3-1.8x there, 0.4-0.9x on 8-32 MiB); sdpa first
+    without a table.
 
     Without a valid table, dense calls go to sdpa first. For reference, on the 2-core
     AVX-512 machine this package was developed on (`attnperf bench --backends sdpa numba
@@ -58,7 +59,7 @@ def numba_leads_on_cpu(inputs: AttentionInputs | KVCacheInputs) -> bool:
     0.95x at L <= 1024; other machines differ, which is why it is measured where it runs.
     """
     if isinstance(inputs, KVCacheInputs) and sees_whole_cache(inputs):
-        rule = cpu_table.active_decode_rule()
+        rule = cpu_table.active_decode_rule(inputs.dtype)
         return rule is not None and cpu_table.decode_numba_leads(inputs, rule)
     if inputs.features() & MASKED_BY_SDPA:
         return True
@@ -160,10 +161,10 @@ def step_lengths(inputs: KVCacheInputs, backend: str) -> range:
         shifted = range(q_len + 1, sys.maxsize) if length > q_len else range(q_len)
         lengths = range(q_len, q_len + 1) if length == q_len else shifted
     if backend == "auto" and inputs.device.type == "cpu" and sees_whole_cache(inputs):
-        rule = cpu_table.active_decode_rule()
+        rule = cpu_table.active_decode_rule(inputs.dtype)
         first_keys = None
         if rule is not None:
-            first_keys = cpu_table.decode_numba_from_keys(rule, inputs.dtype, inputs.key_bytes)
+            first_keys = cpu_table.decode_numba_from_keys(rule, inputs.key_bytes)
         if first_keys is not None and inputs.batch > 0:
             first = -(-first_keys // inputs.batch)  # the first length numba leads at
             side = range(first, sys.maxsize) if length >= first else range(first)

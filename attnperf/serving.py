@@ -320,13 +320,13 @@ class KVCacheInputs:
 
     @property
     def key_bytes(self) -> int:
-        """Bytes of K and V a key takes, every kv head: int8 codes and their float32 scales,
-        else fp32 (what the kernels compute a float cache in)."""
+        """Bytes of K and V a key takes in the cache, every kv head: int8 codes and their
+        float32 scales, else the elements of its dtype."""
         if self.quantized:
             per_key = self.head_dim + self.value_dim + 4 * (self.k_scale.shape[3]
                                                             + self.v_scale.shape[3])  # fmt: skip
             return self.kv_heads * per_key
-        return self.kv_heads * (self.head_dim + self.value_dim) * 4
+        return self.kv_heads * (self.head_dim + self.value_dim) * self.k_pages.element_size()
 
     @property
     def needs_grad(self) -> bool:

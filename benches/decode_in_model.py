@@ -9,7 +9,8 @@ to back, where Python costs 2-4x less.
 A Llama-like layer's attention (8/2 heads, E = 128, B = 1, one token), from `--keys`
 cached keys on, 32 steps a round, the three taking turns; prints each one's median
 microseconds a step over `--rounds` rounds and SDPA's time over attnperf's (> 1: attnperf
-faster). Without an `attnperf tune` table, "auto" serves these steps with SDPA.
+faster). Without an `attnperf tune` table, "auto" serves these steps with SDPA; with one,
+by its decode rule for the dtype (printed: what "auto" follows).
 
     python benches/decode_in_model.py [--keys 2048] [--dtype bfloat16] [--rounds 9]
 """
@@ -23,6 +24,7 @@ import time
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from attnperf import cpu_table
 from attnperf.integrations.transformers import attention_forward
 from attnperf.machine import cpu_description
 
@@ -79,6 +81,7 @@ def main() -> None:
           f"{Q_HEADS}/{KV_HEADS} heads, E = {HEAD_DIM}, from {args.keys} keys: "
           f"transformers' sdpa {sdpa:.1f} us a step; attnperf \"auto\" {auto:.1f} us, "
           f"{sdpa / auto:.2f}x; attnperf numba {numba:.1f} us, {sdpa / numba:.2f}x")  # fmt: skip
+    print(f'"auto" follows: {cpu_table.active_rules()[1]}')
 
 
 if __name__ == "__main__":

@@ -351,7 +351,7 @@ def test_auto_steps_run_on_the_launcher_of_the_backend_it_chose(binds, monkeypat
     on sdpa's, from 32 on numba's, each with the whole call's result; crossing the rule
     runs whole."""
     rule = cpu_table.DecodeRule(numba_from_bytes=4096, ratios={})
-    monkeypatch.setattr(cpu_table, "active_decode_rule", lambda: rule)
+    monkeypatch.setattr(cpu_table, "active_decode_rule", lambda dtype: rule)
     q = torch.randn(1, 1, 4, 8)
     keys, values = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
     lengths = (20, 21, 31, 32, 33, 39, 31)

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,7 +37,8 @@ def measured_table(**changes):
     table = {"schema": cpu_table.SCHEMA, "measured": "today",
              "fingerprint": cpu_table.fingerprint(), "lengths": [1024, 2048], "rounds": 1,
              "rules": rules,
-             "decode": {"numba_from_bytes": 2**20, "ratios": {"1048576": 1.1}}}  # fmt: skip
+             "decode": [{"numba_from_bytes": 2**20, "ratios": {"1048576": 1.1},
+                         "dtype": "float32"}]}  # fmt: skip
     table.update(changes)
     return table
 
@@ -96,7 +98,12 @@ INVALID = {
     "corrupt-json": ("{not json", "ignores the tuning table"),
     "other-schema": (json.dumps(measured_table(schema=0)), "schema 0"),
     "malformed-rules": (json.dumps(measured_table(rules=[{"head_dim": 64}])), "malformed"),
-    "malformed-decode": (json.dumps(measured_table(decode={"ratios": {}})), "malformed decode"),
+    "malformed-decode": (json.dumps(measured_table(decode=[{"ratios": {}}])), "malformed decode"),
+    "decode-of-fp16": (
+        json.dumps(measured_table(decode=[{"numba_from_bytes": 0, "ratios": {},
+                                           "dtype": "float16"}])),
+        "dtype 'float16'",
+    ),
     "another-cpu": (
         json.dumps(measured_table(fingerprint={**cpu_table.fingerprint(), "cpu_model": "Other"})),
         "measured with cpu_model 'Other'",
@@ -113,11 +120,11 @@ INVALID = {
 }  # fmt: skip
 
 
-def decode_step(keys: int, **options):
-    """An fp32 one-token step over `keys` cached keys per sequence, B = 2, 8/2 heads, E = 64:
-    keys x 2 KiB of K and V."""
-    q = torch.empty(2, 1, 8, 64)
-    cache = torch.empty(2, keys, 2, 64)
+def decode_step(keys: int, dtype=torch.float32, **options):
+    """A one-token step over `keys` cached keys per sequence, B = 2, 8/2 heads, E = 64:
+    keys x 2 KiB of fp32 K and V, 1 KiB of bf16."""
+    q = torch.empty(2, 1, 8, 64, dtype=dtype)
+    cache = torch.empty(2, keys, 2, 64, dtype=dtype)
     return prepare_kvcache(q, cache, cache, keys, **options)
 
 
@@ -126,6 +133,7 @@ DECODE_CALLS = {
     "step-2-MiB": (decode_step(1024), True, False),
     "step-half-MiB": (decode_step(256), False, False),
     "step-window": (decode_step(256, window=(64, 0)), True, True),  # sdpa would need a mask
+    "step-bf16-unmeasured": (decode_step(1024, torch.bfloat16), False, False),
 }
 
 
@@ -136,6 +144,23 @@ def test_decoding_follows_the_measured_cache_size(inputs, with_table, without, c
     assert dispatch.priority(inputs)[:2] == first[without]
     tune.write_table(measured_table(), cache / cpu_table.FILE_NAME)
     assert dispatch.priority(inputs)[:2] == first[with_table]
+
+
+def test_bf16_steps_follow_their_own_decode_rule(cache):
+    """A bf16 decode rule (`dtype`) decides bf16 steps by their own bytes of K and V (here
+    numba from 512 KiB: 512 keys a sequence); the fp32 rule stays fp32's, and fp16 steps
+    have none."""
+    table = measured_table()
+    bf16 = {**table["decode"][0], "numba_from_bytes": 2**19, "dtype": "bfloat16"}
+    fp32 = {**table["decode"][0], "numba_from_bytes": None}
+    tune.write_table({**table, "decode": [fp32, bf16]}, cache / cpu_table.FILE_NAME)
+    first = {True: ("numba", "sdpa"), False: ("sdpa", "numba")}
+    steps = [(512, torch.bfloat16, True), (511, torch.bfloat16, False),
+             (4096, torch.float32, False), (4096, torch.float16, False)]  # fmt: skip
+    for keys, dtype, numba_first in steps:
+        assert dispatch.priority(decode_step(keys, dtype))[:2] == first[numba_first]
+    lengths = dispatch.step_lengths(decode_step(600, torch.bfloat16), "auto")
+    assert lengths == range(512, sys.maxsize)
 
 
 @pytest.mark.parametrize("keys, window", [(256, None), (1024, None), (1, None), (256, (64, 0))])
@@ -179,11 +204,29 @@ def test_numba_first_from_the_length_where_it_stays_faster(ratios, expected):
     assert tune.numba_from(ratios) == expected
 
 
+def test_small_decode_sizes_stand_by_the_slower_of_two_shapes(monkeypatch):
+    """Up to SMALL_DECODE_BYTES the rule's ratio is the lower of Llama-3-8B's step and a
+    small model's (8/2 heads, head-major) at the same bytes; above, Llama-3-8B's alone."""
+
+    steps = []  # (keys, heads, kv heads, head-major) of each race
+
+    def race(config, calls):  # numba 1.5x sdpa's speed at 32/8 heads, 0.75x at 8/2
+        steps.append((*calls["numba"].args[2:5], calls["numba"].args[9]))
+        numba_s = 1.0 if calls["numba"].args[3] == 32 else 2.0
+        return {"sdpa": SimpleNamespace(median_s=1.5), "numba": SimpleNamespace(median_s=numba_s)}
+
+    monkeypatch.setattr(tune.serving, "race", race)
+    rule = tune.calibrate_decode((64, 4096), 1, 2, lambda _: None, "bfloat16")
+    assert rule.dtype == "bfloat16" and rule.ratios == {2**18: 0.75, 2**24: 1.5}
+    assert rule.numba_from_bytes == 2**24 > tune.SMALL_DECODE_BYTES
+    assert steps == [(64, 32, 8, False), (256, 8, 2, True), (4096, 32, 8, False)]
+
+
 def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
     """End to end at tiny lengths: the command measures, writes, and info reports it."""
     env = {"ATTNPERF_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     command = [sys.executable, "-m", "attnperf", "tune", "--lengths", "64", "128",
-               "--decode-lengths", "32", "64", "--rounds", "1"]  # fmt: skip
+               "--decode-lengths", "32", "--rounds", "1"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600,
                             check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -191,7 +234,8 @@ def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
     assert len(table["rules"]) == len(tune.DTYPES) * len(tune.SHAPES) * 4
     assert {rule["dtype"] for rule in table["rules"]} == set(tune.DTYPES)
     assert all(set(rule["ratios"]) == {"64", "128"} for rule in table["rules"])
-    assert len(table["decode"]["ratios"]) == 2
+    assert [rule["dtype"] for rule in table["decode"]] == list(tune.DTYPES)
+    assert all(len(rule["ratios"]) == 1 for rule in table["decode"])
     info = subprocess.run([sys.executable, "-m", "attnperf", "info"], capture_output=True,
                           text=True, env=env, timeout=300, check=False)  # fmt: skip
     assert f"measured table {tmp_path / cpu_table.FILE_NAME}" in info.stdout

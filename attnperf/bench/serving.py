@@ -96,19 +96,25 @@ def race(config: ServingConfig, calls: dict[str, Callable]) -> dict[str, Contend
 # ---------------------------------------------------------------------------- decode
 class DecodeCall:
     """attention_with_kvcache of `tokens` query tokens (bottom-right causal when more than
-    one: a speculative step) over a full contiguous cache in `dtype`."""
+    one: a speculative step) over a full contiguous cache in `dtype`; head_major: the cache
+    a (B, S, H, E) view of (B, H, S, E) memory, as transformers' decoding passes it."""
 
     def __init__(self, backend, batch, length, heads, kv_heads, head_dim, num_splits=0,
-                 tokens=1, dtype=torch.float32):  # fmt: skip
+                 tokens=1, dtype=torch.float32, head_major=False):  # fmt: skip
         self.args = (backend, batch, length, heads, kv_heads, head_dim, num_splits, tokens,
-                     dtype)  # fmt: skip
+                     dtype, head_major)  # fmt: skip
 
     def __call__(self) -> Callable[[], object]:
-        backend, batch, length, heads, kv_heads, head_dim, num_splits, tokens, dtype = self.args
+        (backend, batch, length, heads, kv_heads, head_dim, num_splits, tokens, dtype,
+         head_major) = self.args  # fmt: skip
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(batch, tokens, heads, head_dim, generator=gen).to(dtype)
-        k_cache, v_cache = (torch.randn(batch, length, kv_heads, head_dim, generator=gen)
-                            .to(dtype) for _ in range(2))  # fmt: skip
+        if head_major:
+            k_cache, v_cache = (torch.randn(batch, kv_heads, length, head_dim, generator=gen)
+                                .to(dtype).transpose(1, 2) for _ in range(2))  # fmt: skip
+        else:
+            k_cache, v_cache = (torch.randn(batch, length, kv_heads, head_dim, generator=gen)
+                                .to(dtype) for _ in range(2))  # fmt: skip
         return lambda: attnperf.attention_with_kvcache(
             q, k_cache, v_cache, length, is_causal=tokens > 1, backend=backend,
             num_splits=num_splits,
