@@ -121,14 +121,14 @@ def tune_command(args: argparse.Namespace) -> int:
                 f"{'forward+backward' if rule['backward'] else 'forward'}")  # fmt: skip
         ratios = ", ".join(f"L={length}: {ratio:.2f}x" for length, ratio in rule["ratios"].items())
         first = f"numba from L={rule['numba_from']}" if rule["numba_from"] else "sdpa"
-        console.print(f"{kind:41s} {first:22s} numba/sdpa {ratios}", highlight=False)
+        console.print(f"{kind:42s} {first:22s} numba/sdpa {ratios}", highlight=False)
     for decode in table["decode"]:
         start = decode["numba_from_bytes"]
         first = f"numba from {start / 2**20:g} MiB" if start is not None else "sdpa"
         ratios = ", ".join(f"{int(size) / 2**20:g} MiB: {ratio:.2f}x"
                            for size, ratio in decode["ratios"].items())  # fmt: skip
         kind = f"{decode['dtype']} decode (K+V per call)"
-        console.print(f"{kind:41s} {first:22s} numba/sdpa {ratios}", highlight=False)
+        console.print(f"{kind:42s} {first:22s} numba/sdpa {ratios}", highlight=False)
     console.print(f"written: {path}", highlight=False)
     return 0
 

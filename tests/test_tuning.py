@@ -30,7 +30,7 @@ def measured_table(**changes):
     rules = [
         {"head_dim": head_dim, "gqa": gqa, "causal": causal, "backward": backward,
          "numba_from": 2048 if causal or backward else None, "ratios": {"2048": 1.05}}
-        for head_dim, gqa in ((64, False), (128, False), (64, True))
+        for head_dim, gqa in ((64, False), (128, False), (64, True), (128, True))
         for causal in (False, True)
         for backward in (False, True)
     ]  # fmt: skip
@@ -61,6 +61,7 @@ CALLS = {
     "fp16": ((tuple(t.half() for t in big()), {"is_causal": True}), False),
     "bf16-unmeasured": ((tuple(t.bfloat16() for t in big()), {"is_causal": True}), False),
     "gqa-2-kv-heads-training": ((big(requires_grad=True, kv_heads=2), {}), True),
+    "gqa-head-dim-128-causal": ((big(head_dim=128, kv_heads=2), {"is_causal": True}), True),
     "gqa-fewer-kv-heads-than-threads": ((big(requires_grad=True, kv_heads=1), {}), False),
 }
 

@@ -27,8 +27,9 @@ from attnperf.bench.sweep import PASSES, BenchConfig, run_sweep
 from attnperf.cpu_table import SCHEMA, DecodeRule, Rule, fingerprint, load_table, table_path
 
 # (heads, kv heads, head dim) of the measured classes: multi-head at head dims 64 and 128,
-# and grouped-query (4 query heads per kv head) at 64.
-SHAPES = ((8, 8, 64), (4, 4, 128), (8, 2, 64))
+# and grouped-query (4 query heads per kv head) at both: Llama-like models' prefill is
+# grouped at 128, which a table without that class sent to sdpa.
+SHAPES = ((8, 8, 64), (4, 4, 128), (8, 2, 64), (8, 2, 128))
 LENGTHS = (1024, 2048, 4096)
 DTYPES = ("float32", "bfloat16")  # bf16: numba's bf16 micro-kernels against SDPA's bf16
 # Decoding: one token, B = 1, Llama-3-8B's heads (32/8, E = 128, a (B, S, H, E) cache); 0.5
