@@ -541,6 +541,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{cpu['torch_cpu_capability']}), {torch.get_num_threads()} threads")  # fmt: skip
         print(info_table())
         print(f"auto on CPU: {cpu_table.active_rules()[1]}")
+        for dtype, name in cpu_table.MEASURED_DTYPES.items():
+            rule = cpu_table.active_decode_rule(dtype)
+            if rule is not None:
+                start = rule.numba_from_bytes
+                first = "sdpa" if start is None else f"numba from {start / 2**20:g} MiB of K and V"
+                print(f"  {name} decoding steps: {first}")
         for line in numba_tile_routes():
             print(line)
         return 0

@@ -240,3 +240,5 @@ def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
     info = subprocess.run([sys.executable, "-m", "attnperf", "info"], capture_output=True,
                           text=True, env=env, timeout=300, check=False)  # fmt: skip
     assert f"measured table {tmp_path / cpu_table.FILE_NAME}" in info.stdout
+    for rule in table["decode"]:
+        assert f"{rule['dtype']} decoding steps: " in info.stdout
