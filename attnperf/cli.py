@@ -99,6 +99,13 @@ def smoke(device: str) -> int:
 QUICK_LENGTHS = (256, 512, 1024)
 
 
+def decode_first(numba_from_bytes: int | None) -> str:
+    """Which backend a decode rule puts first, and from what size of K and V."""
+    if numba_from_bytes is None:
+        return "sdpa"
+    return f"numba from {numba_from_bytes / 2**20:g} MiB of K and V"
+
+
 def tune_command(args: argparse.Namespace) -> int:
     """Measure numba against sdpa here and write the table that "auto" reads on CPU."""
     from rich.console import Console
@@ -123,11 +130,10 @@ def tune_command(args: argparse.Namespace) -> int:
         first = f"numba from L={rule['numba_from']}" if rule["numba_from"] else "sdpa"
         console.print(f"{kind:42s} {first:22s} numba/sdpa {ratios}", highlight=False)
     for decode in table["decode"]:
-        start = decode["numba_from_bytes"]
-        first = f"numba from {start / 2**20:g} MiB" if start is not None else "sdpa"
+        first = decode_first(decode["numba_from_bytes"])
         ratios = ", ".join(f"{int(size) / 2**20:g} MiB: {ratio:.2f}x"
                            for size, ratio in decode["ratios"].items())  # fmt: skip
-        kind = f"{decode['dtype']} decode (K+V per call)"
+        kind = f"{decode['dtype']} decoding steps"
         console.print(f"{kind:42s} {first:22s} numba/sdpa {ratios}", highlight=False)
     console.print(f"written: {path}", highlight=False)
     return 0
@@ -544,9 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype, name in cpu_table.MEASURED_DTYPES.items():
             rule = cpu_table.active_decode_rule(dtype)
             if rule is not None:
-                start = rule.numba_from_bytes
-                first = "sdpa" if start is None else f"numba from {start / 2**20:g} MiB of K and V"
-                print(f"  {name} decoding steps: {first}")
+                print(f"  {name} decoding steps: {decode_first(rule.numba_from_bytes)}")
         for line in numba_tile_routes():
             print(line)
         return 0

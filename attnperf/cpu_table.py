@@ -123,24 +123,27 @@ def _rules(table: dict) -> list[Rule]:
 
 
 @functools.cache
-def load_table(path: Path | None = None) -> tuple[dict | None, list[Rule], str]:
-    """(the table or None, its rules, what is in force and why); read once per process.
+def load_table(
+    path: Path | None = None,
+) -> tuple[dict | None, list[Rule], dict[str, DecodeRule], str]:
+    """(the table or None, its rules, its decode rules by dtype name, what is in force and
+    why); read once per process.
 
     A file that is corrupt or not of this schema is ignored with a warning."""
     path = path or table_path()
     if not path.exists():
-        return None, [], f"built-in default (sdpa first on CPU): no table at {path}"
+        return None, [], {}, f"built-in default (sdpa first on CPU): no table at {path}"
     try:
         table = json.loads(path.read_text())
         if not isinstance(table, dict):
             raise ValueError("not a JSON object")
         rules = _rules(table)
-        _decode_rules(table)
+        decode_rules = {rule.dtype: rule for rule in _decode_rules(table)}
     except (OSError, ValueError) as error:
         message = f"attnperf ignores the tuning table {path}: {error}; run `attnperf tune`"
         warnings.warn(message, RuntimeWarning, stacklevel=2)
-        return None, [], f"built-in default (sdpa first on CPU): {message}"
-    return table, rules, f"measured table {path} ({table.get('measured', '?')})"
+        return None, [], {}, f"built-in default (sdpa first on CPU): {message}"
+    return table, rules, decode_rules, f"measured table {path} ({table.get('measured', '?')})"
 
 
 @functools.cache
@@ -155,7 +158,7 @@ def _mismatch_warned(path: Path, reason: str) -> None:
 def active_rules() -> tuple[list[Rule], str]:
     """The rules "auto" follows now (empty: sdpa first) and a line saying which and why."""
     path = table_path()
-    table, rules, status = load_table(path)
+    table, rules, _, status = load_table(path)
     if table is None:
         return [], status
     measured, here = table.get("fingerprint", {}), fingerprint()
@@ -171,10 +174,9 @@ def active_decode_rule(dtype: torch.dtype) -> DecodeRule | None:
     """The decode rule "auto" follows now for steps in `dtype`: the valid table's, else None
     (sdpa first)."""
     rules, _ = active_rules()
-    name = MEASURED_DTYPES.get(dtype)
-    if not rules or name is None:
+    if not rules or dtype not in MEASURED_DTYPES:
         return None
-    return next((r for r in _decode_rules(load_table(table_path())[0]) if r.dtype == name), None)
+    return load_table(table_path())[2].get(MEASURED_DTYPES[dtype])
 
 
 def decode_numba_leads(inputs: KVCacheInputs, rule: DecodeRule) -> bool:
