@@ -75,7 +75,7 @@ def _set_up(make_call: Callable[[], Callable[[], object]]) -> float:
 
 def race(config: ServingConfig, calls: dict[str, Callable]) -> dict[str, Contender]:
     """Time each call (a picklable factory of the call) in its own worker, in turns."""
-    workers = {label: sweep.start_worker(config, memory=False) for label in calls}
+    workers = dict(zip(calls, sweep.start_workers(config, len(calls)), strict=True))
     results = {label: Contender(label) for label in calls}
     try:
         for label, make_call in calls.items():
@@ -86,8 +86,7 @@ def race(config: ServingConfig, calls: dict[str, Callable]) -> dict[str, Contend
                 time.sleep(SETTLE_S)
                 results[label].times_s.append(workers[label].submit(sweep.time_turn).result())
     finally:
-        for worker in workers.values():
-            worker.shutdown()
+        sweep.stop_workers(workers.values())
     for result in results.values():
         result.median_s = statistics.median(result.times_s)
     return results

@@ -1742,12 +1742,16 @@ def numba_attention_backward(
     None picks the fused pass where it pays (`fused_backward_pays`).
     """
     bf16 = forward_kind(inputs) == BF16
+    query, key = inputs.query, inputs.key
+    if inputs.head_dim == 0:  # the same zero scores on one zero column: numba types a
+        # zero-size array as contiguous, and compiled every backward kernel anew for it
+        query, key = (torch.nn.functional.pad(t.detach(), (0, 1)) for t in (query, key))
     if bf16:  # on bf16 tiles: the bits (E even), dO in bf16 as FlashAttention takes it
         grad_out = grad_out.to(torch.bfloat16)
-        q, k, v, do = map(bf16_bits, (inputs.query, inputs.key, inputs.value, grad_out))
+        q, k, v, do = map(bf16_bits, (query, key, inputs.value, grad_out))
     else:
         q, k, v, do = (as_numpy(rows_side_by_side(fp32_operand(t)))
-                       for t in (inputs.query, inputs.key, inputs.value, grad_out))  # fmt: skip
+                       for t in (query, key, inputs.value, grad_out))  # fmt: skip
     variant = lower_variant(inputs)
     stats = as_numpy(stats.contiguous())
     no_lse = np.zeros((0, 0, 0), np.float32)
@@ -1788,7 +1792,7 @@ def numba_attention_backward(
             else:
                 run_parallel(attention_backward_dq, *common, dq_array, dmask_array, *blocks)
                 run_parallel(attention_backward_dkdv, *common, dk_array, dv_array, *blocks)
-    if bf16:  # an odd E ran on a zero column more
+    if bf16 or inputs.head_dim == 0:  # E = 0 or an odd E (bf16) ran on a zero column more
         dq, dk = dq[..., : inputs.head_dim], dk[..., : inputs.head_dim]
         dv = dv[..., : inputs.value_dim]
     dmask = dmask.to(inputs.attn_mask.dtype) if want_dmask else None
