@@ -283,7 +283,9 @@ def any_layout(array: np.ndarray) -> np.ndarray:
     """`array` behind a leading dim of 2 at stride 0, which a kernel reads as `array[0]`:
     numba then types it with layout "A" whatever its strides, so that one compiled kernel
     serves contiguous arrays and strided views ((B, L, H, E) tensors, broadcast masks)
-    alike; each layout of each argument was otherwise a compilation of its own (seconds)."""
+    alike; each layout of each argument was otherwise a compilation of its own (seconds).
+    Not a zero-size array: numpy calls it contiguous whatever its strides (the backward
+    gives E = 0 a zero column instead)."""
     shape = (2, *array.shape)
     if not array.flags.c_contiguous:
         return np.broadcast_to(array, shape)  # read-only, as below
