@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import re
 
+import numpy as np
 import pytest
 import torch
 from cases import device_for, preset_params
@@ -14,6 +15,7 @@ import attnperf
 from attnperf import dispatch
 from attnperf.backend import FEATURES
 from attnperf.kernels.numba import kvcache as numba_kvcache
+from attnperf.kernels.numba.jit import njit, numba
 from attnperf.kernels.numba.microkernels import tile_route
 from attnperf.serving import prepare_kvcache
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
@@ -314,6 +316,21 @@ def test_numba_decode_any_rows_per_group_any_keys_per_tile(q_heads, q_len):
         out, lse, _, _ = run(numba, layout)
         assert_agrees(out, exact[0], baseline[0])
         assert_agrees(lse, exact[1], baseline[1], what="lse")
+
+
+@njit()
+def amx_tile_for_pages(pages):
+    numba_kvcache.amx_tile_of_bf16(None, pages)  # amx_tile's other arguments left out
+
+
+def test_only_a_bf16_cache_compiles_the_amx_tile():
+    """The AMX branch of a step is amx_tile for pages of bf16 bits, and nothing for float
+    or int8 pages (never of kind AMX; their kernels then carry no AMX code): a no-op that
+    takes any arguments, where amx_tile's own typing refuses these."""
+    for dtype in (np.float32, np.int8):
+        amx_tile_for_pages(np.zeros((1, 1, 1, 1), dtype))
+    with pytest.raises(numba.core.errors.TypingError):
+        amx_tile_for_pages(np.zeros((1, 1, 1, 1), np.uint16))
 
 
 NO_AMX = pytest.mark.skipif(tile_route("bf16")[0] != "amx", reason=tile_route("bf16")[1])

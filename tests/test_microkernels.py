@@ -15,7 +15,7 @@ from attnperf import dispatch
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
 pytest.importorskip("numba")
-from attnperf.kernels.numba import microkernels, tiles
+from attnperf.kernels.numba import blas, microkernels, tiles
 from attnperf.kernels.numba.amx import amx_permitted
 from attnperf.kernels.numba.attention import round_probabilities
 from attnperf.kernels.numba.jit import njit
@@ -78,6 +78,35 @@ def test_fp32_product_writes_only_its_columns():
     c = np.full((7, 48), -1.0, np.float32)
     gemm_fp32(a, b, c[:, :37], np.float32(1.0), np.float32(0.0), False, False)
     assert np.all(c[:, :37] == 4.0) and np.all(c[:, 37:] == -1.0)
+
+
+@njit()
+def products_of_every_type(a, a_c, b, out):
+    """tiles.product called as the kernels call it: contiguous and strided views (a's
+    columns two apart, transposes), literal flags, float64 or float32 scalars."""
+    tiles.product(a, b, out[0], 1.0, 0.0, False, False, tiles.OWN_TILES)
+    tiles.product(a_c, b, out[1], np.float32(1.0), 0.0, False, False, tiles.OWN_TILES)
+    tiles.product(a_c, b, out[2], 1.0, np.float32(0.0), False, True, tiles.OWN_TILES)
+    tiles.product(a_c, b.T, out[3], 1.0, 0.0, False, True, tiles.OWN_TILES)
+    tiles.product(a_c.T, b, out[4], 1.0, 0.0, True, False, tiles.OWN_TILES)
+
+
+def test_a_product_compiles_its_micro_kernels_once_whatever_its_operands():
+    """Every call of tiles.product reaches gemm_fp32 as one type of call (views of any
+    strides, flags and scalars not literal): one signature, not one per combination (the
+    linear kernels compiled 16, 3-7 s each); and each product is still right."""
+    blas.setup()  # product's BLAS side links sgemm, though it is not taken here
+    gen = torch.Generator().manual_seed(0)
+    a_c, b = torch.randn(6, 6, generator=gen).numpy(), torch.randn(6, 6, generator=gen).numpy()
+    a = torch.randn(6, 12, generator=gen).numpy()[:, ::2]
+    before = set(gemm_fp32.signatures)
+    out = np.zeros((5, 6, 6), np.float32)
+    products_of_every_type(a, a_c, b, out)
+    added = set(gemm_fp32.signatures) - before
+    assert len(added) <= 1 and all(sig[0].layout == "A" for sig in added), added
+    expected = (a @ b, a_c @ b, a_c @ b.T, a_c @ b, a_c @ b)
+    for got, product in zip(out, expected, strict=True):
+        np.testing.assert_allclose(got, product, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_products_match_float64():

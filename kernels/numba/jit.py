@@ -11,7 +11,7 @@ try:
     from llvmlite import ir
     from numba.core import cgutils, types
     from numba.core.codegen import get_host_cpu_features as numba_host_features
-    from numba.extending import intrinsic
+    from numba.extending import intrinsic, overload
     from numba.np.arrayobj import populate_array
 
     MISSING = None
@@ -36,6 +36,9 @@ if numba is None:  # kernels are never run then; their modules only need the nam
 
     def intrinsic(function=None, **options):
         return function if function is not None else (lambda function: function)
+
+    def overload(function, **options):
+        return lambda typing: typing
 
 
 # Reassociation and contraction let LLVM vectorise the row loops; no "nnan"/"ninf", so
@@ -100,6 +103,25 @@ def _unowned_value(context, builder, array_type, value):
     view.meminfo = cgutils.get_null_value(view.meminfo.type)
     view.parent = cgutils.get_null_value(view.parent.type)
     return view._getvalue()
+
+
+@intrinsic
+def any_strides(typingctx, array):
+    """`array` itself, typed as an array of any strides (layout "A", writable): a helper
+    called with views of several layouts then compiles once, not once per combination of
+    its arguments' types (a tile product's 16 in the linear kernels, ~3-7 s each). Only
+    for a helper that reads strides at run time and writes no array it was given read-only,
+    as the tile products."""
+    if not isinstance(array, types.Array):
+        return None
+    result = types.Array(array.dtype, array.ndim, "A")
+
+    def codegen(context, builder, signature, args):
+        # One data model for every layout and flag; the result is a new reference.
+        context.nrt.incref(builder, signature.args[0], args[0])
+        return args[0]
+
+    return result(array), codegen
 
 
 @intrinsic

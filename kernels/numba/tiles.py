@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from attnperf.kernels.numba.blas import gemm
-from attnperf.kernels.numba.jit import FASTMATH, njit
+from attnperf.kernels.numba.jit import FASTMATH, any_strides, njit
 from attnperf.kernels.numba.microkernels import gemm_fp32, tile_route
 
 BLAS_TILES, OWN_TILES = 0, 1
@@ -19,6 +21,12 @@ BLAS_TILES, OWN_TILES = 0, 1
 def product(a, b, c, alpha, beta, trans_a, trans_b, tiles):
     """c = alpha * op(a) @ op(b) + beta * c on the calling thread (blas.gemm's contract),
     by BLAS or by our micro-kernels (`tiles`: BLAS_TILES or OWN_TILES)."""
+    # One type for every call, so that the products compile once, not once per caller's
+    # combination of layouts, literal flags and scalar types (16 in the linear kernels,
+    # 3-7 s each).
+    a, b, c = any_strides(a), any_strides(b), any_strides(c)
+    alpha, beta = np.float32(alpha), np.float32(beta)
+    trans_a, trans_b = bool(trans_a), bool(trans_b)
     if tiles == OWN_TILES:
         gemm_fp32(a, b, c, alpha, beta, trans_a, trans_b)
     else:
