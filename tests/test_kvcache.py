@@ -15,7 +15,7 @@ import attnperf
 from attnperf import dispatch
 from attnperf.backend import FEATURES
 from attnperf.kernels.numba import kvcache as numba_kvcache
-from attnperf.kernels.numba.jit import njit, numba
+from attnperf.kernels.numba.jit import numba
 from attnperf.kernels.numba.microkernels import tile_route
 from attnperf.serving import prepare_kvcache
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
@@ -318,19 +318,36 @@ def test_numba_decode_any_rows_per_group_any_keys_per_tile(q_heads, q_len):
         assert_agrees(lse, exact[1], baseline[1], what="lse")
 
 
-@njit()
-def amx_tile_for_pages(pages):
-    numba_kvcache.amx_tile_of_bf16(None, pages)  # amx_tile's other arguments left out
+STEP_DTYPES = {  # a step's (queries, pages): fp32, bf16 (bits), bf16 pages in the loops, int8
+    "fp32": (np.float32, np.float32), "bf16": (np.uint16, np.uint16),
+    "bf16 loops": (np.float32, np.uint16), "int8": (np.float32, np.int8),
+}  # fmt: skip
+ROUTES_TAKEN = {
+    "amx_route": {"bf16"}, "micro_kernel_route": {"fp32", "bf16"},
+    "quantized_scores_route": {"int8"}, "quantized_values_route": {"int8"},
+    "cached_scores_route": {"fp32", "bf16", "bf16 loops"},
+    "cached_values_route": {"fp32", "bf16", "bf16 loops"},
+}  # fmt: skip
 
 
-def test_only_a_bf16_cache_compiles_the_amx_tile():
-    """The AMX branch of a step is amx_tile for pages of bf16 bits, and nothing for float
-    or int8 pages (never of kind AMX; their kernels then carry no AMX code): a no-op that
-    takes any arguments, where amx_tile's own typing refuses these."""
-    for dtype in (np.float32, np.int8):
-        amx_tile_for_pages(np.zeros((1, 1, 1, 1), dtype))
-    with pytest.raises(numba.core.errors.TypingError):
-        amx_tile_for_pages(np.zeros((1, 1, 1, 1), np.uint16))
+@pytest.mark.parametrize("route", ROUTES_TAKEN)
+def test_a_step_compiles_only_the_tile_routes_its_cache_can_take(route):
+    """Each route of a step's key tile is its function for the caches that take it
+    (`decode_kind`) and nothing for the others, whose kernels then carry none of its code:
+    there a no-op that takes any arguments, where the function's own typing refuses these."""
+    call_route = getattr(numba_kvcache, route)
+
+    @numba.njit
+    def call(q_rows, pages):
+        call_route(q_rows, pages)  # the route's other arguments left out
+
+    for cache, (q_dtype, pages_dtype) in STEP_DTYPES.items():
+        arrays = np.zeros((1, 1, 1), q_dtype), np.zeros((1, 1, 1, 1), pages_dtype)
+        if cache in ROUTES_TAKEN[route]:
+            with pytest.raises(numba.core.errors.TypingError):
+                call(*arrays)
+        else:
+            call(*arrays)
 
 
 NO_AMX = pytest.mark.skipif(tile_route("bf16")[0] != "amx", reason=tile_route("bf16")[1])

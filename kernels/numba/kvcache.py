@@ -36,8 +36,8 @@ from attnperf.kernels.numba.jit import (
     FASTMATH,
     aligned_empty,
     array_at,
+    compiled_where,
     njit,
-    overload,
     prange,
     prefetch_line,
     split_index,
@@ -536,20 +536,6 @@ def amx_tile(q_pairs, k_pages, v_pages, head_major, page, first_row, cols, varia
                     value_dim // TILE_ROWS, depth_steps(cols), True)  # fmt: skip
 
 
-def amx_tile_of_bf16(*args):
-    """amx_tile(*args) where the cache's pages (args[1]) hold bf16 bits; nothing for other
-    caches, whose steps never take kind AMX. Chosen by type as numba compiles the caller,
-    so that a float or int8 cache's kernels hold no AMX code: a fp32 step's first call took
-    36-41 s against 47-50 s with it (Zen 4, two runs each)."""
-
-
-@overload(amx_tile_of_bf16, jit_options={"fastmath": FASTMATH})
-def _amx_tile_by_pages(*args):
-    if args[1].dtype == types.uint16:
-        return lambda *args: amx_tile(*args)
-    return lambda *args: None
-
-
 @njit()
 def amx_query_pairs(q_rows, tile_rows):
     """(H, R, E) query rows (bf16 bits) as AMX's B for S^T = K Q^T: (H, E / 2, 2 R16) on
@@ -584,6 +570,23 @@ def amx_buffers(kind, kv_heads, rows, block_n, head_dim, value_dim):
     k_tail[:] = 0
     p16[:] = 0
     return st, k_tail, p16, v_pairs
+
+
+def _pages(test):
+    """compiled_where's test of a tile route's arguments (q_rows, pages, ...) by their
+    dtypes (bf16 as its bits, uint16)."""
+    return compiled_where(lambda q_rows, pages, *rest: test(q_rows.dtype, pages.dtype))
+
+
+# A step's key tile, each route compiled only for the caches that can take it (`decode_kind`):
+# AMX for bf16 pages, the micro-kernels for fp32 or bf16 pages under queries of the same
+# dtype, the per-key loops over codes for int8 pages and over values for the others.
+amx_route = _pages(lambda q, pages: q == pages == types.uint16)(amx_tile)
+micro_kernel_route = _pages(lambda q, pages: q == pages)(micro_kernel_tile)
+quantized_scores_route = _pages(lambda q, pages: pages == types.int8)(quantized_scores)
+cached_scores_route = _pages(lambda q, pages: pages != types.int8)(cached_scores)
+quantized_values_route = _pages(lambda p, pages: pages == types.int8)(quantized_values)
+cached_values_route = _pages(lambda p, pages: pages != types.int8)(cached_values)
 
 
 @njit(fastmath=FASTMATH)
@@ -642,27 +645,28 @@ def kvcache_split(
             first_row = k_start + j0 - page_start
             structure = tile_structure(variant, b, 0, 0, q_len, j0, cols)
             if kind == AMX:
-                amx_tile_of_bf16(queries, k_pages, v_pages, head_major, page, first_row, cols,
-                                 variant, b, q_len, j0, structure, scale2, s, buffers, acc,
-                                 row_max, row_sum, shift, prefetch)  # fmt: skip
+                amx_route(queries, k_pages, v_pages, head_major, page, first_row, cols, variant,
+                          b, q_len, j0, structure, scale2, s, buffers, acc, row_max, row_sum,
+                          shift, prefetch)  # fmt: skip
                 continue
             if kind != LOOPS:
-                micro_kernel_tile(queries, k_pages, v_pages, head_major, page, first_row, cols,
-                                  variant, b, q_len, j0, structure, scale2, s, p_pairs, acc,
-                                  row_max, row_sum, shift, prefetch)  # fmt: skip
+                micro_kernel_route(queries, k_pages, v_pages, head_major, page, first_row, cols,
+                                   variant, b, q_len, j0, structure, scale2, s, p_pairs, acc,
+                                   row_max, row_sum, shift, prefetch)  # fmt: skip
                 continue
             if k_scales.shape[0]:
-                quantized_scores(queries, k_pages[page], k_scales[page], first_row, cols, s,
-                                 scale2)  # fmt: skip
+                quantized_scores_route(queries, k_pages[page], k_scales[page], first_row, cols,
+                                       s, scale2)  # fmt: skip
             else:
-                cached_scores(queries, k_pages[page], head_major, first_row, cols, s, scale2)
+                cached_scores_route(queries, k_pages[page], head_major, first_row, cols, s,
+                                    scale2)  # fmt: skip
             for hk in range(kv_heads):
                 tile_softmax(s, hk, q_len, cols, variant, b, j0, structure, acc, row_max,
                              row_sum, shift)  # fmt: skip
             if v_scales.shape[0]:
-                quantized_values(s, v_pages[page], v_scales[page], first_row, cols, acc)
+                quantized_values_route(s, v_pages[page], v_scales[page], first_row, cols, acc)
             else:
-                cached_values(s, v_pages[page], head_major, first_row, cols, acc)
+                cached_values_route(s, v_pages[page], head_major, first_row, cols, acc)
         page_start += page_size
     for hk in range(kv_heads):
         for g in range(group):
