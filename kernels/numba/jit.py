@@ -133,9 +133,9 @@ def _unowned_value(context, builder, array_type, value):
 def any_strides(typingctx, array):
     """`array` itself, typed as an array of any strides (layout "A", writable): a helper
     called with views of several layouts then compiles once, not once per combination of
-    its arguments' types (a tile product's 16 in the linear kernels, ~3-7 s each). Only
-    for a helper that reads strides at run time and writes no array it was given read-only,
-    as the tile products."""
+    its arguments' types (`tiles.product`). Inside jitted code; `launch.any_layout` does
+    the same for a kernel's arguments from Python. Only for a helper that reads strides at
+    run time and writes no array it was given read-only, as the tile products."""
     if not isinstance(array, types.Array):
         return None
     result = types.Array(array.dtype, array.ndim, "A")
