@@ -572,21 +572,21 @@ def amx_buffers(kind, kv_heads, rows, block_n, head_dim, value_dim):
     return st, k_tail, p16, v_pairs
 
 
-def _pages(test):
-    """compiled_where's test of a tile route's arguments (q_rows, pages, ...) by their
-    dtypes (bf16 as its bits, uint16)."""
+def _route_by_dtypes(test):
+    """`compiled_where` for a tile route, taken where test(dtype of its first argument (the
+    queries or P), dtype of its pages) holds (bf16 as its bits, uint16)."""
     return compiled_where(lambda q_rows, pages, *rest: test(q_rows.dtype, pages.dtype))
 
 
 # A step's key tile, each route compiled only for the caches that can take it (`decode_kind`):
 # AMX for bf16 pages, the micro-kernels for fp32 or bf16 pages under queries of the same
 # dtype, the per-key loops over codes for int8 pages and over values for the others.
-amx_route = _pages(lambda q, pages: q == pages == types.uint16)(amx_tile)
-micro_kernel_route = _pages(lambda q, pages: q == pages)(micro_kernel_tile)
-quantized_scores_route = _pages(lambda q, pages: pages == types.int8)(quantized_scores)
-cached_scores_route = _pages(lambda q, pages: pages != types.int8)(cached_scores)
-quantized_values_route = _pages(lambda p, pages: pages == types.int8)(quantized_values)
-cached_values_route = _pages(lambda p, pages: pages != types.int8)(cached_values)
+amx_route = _route_by_dtypes(lambda q, pages: q == pages == types.uint16)(amx_tile)
+micro_kernel_route = _route_by_dtypes(lambda q, pages: q == pages)(micro_kernel_tile)
+quantized_scores_route = _route_by_dtypes(lambda q, pages: pages == types.int8)(quantized_scores)
+cached_scores_route = _route_by_dtypes(lambda q, pages: pages != types.int8)(cached_scores)
+quantized_values_route = _route_by_dtypes(lambda p, pages: pages == types.int8)(quantized_values)
+cached_values_route = _route_by_dtypes(lambda p, pages: pages != types.int8)(cached_values)
 
 
 @njit(fastmath=FASTMATH)
