@@ -150,6 +150,20 @@ def lse_from_stats(stats: Tensor) -> Tensor:
     return torch.where(row_sum > 0, lse, float("-inf"))
 
 
+def bf16_residual(exact: Tensor, out: Tensor) -> Tensor:
+    """What rounding `exact` (fp32) to `out` (bf16) took off each value, rounded to bf16
+    (2 bytes a value, against 4 for keeping `exact`): `exact_output` restores `exact` to
+    about 16 bits. A backward's rowsum(dO * O) reads O so: from the rounded out, its error
+    (2^-9 of O) cancels against dO V^T's where the softmax is peaked, and left dq and dk
+    2-65x as far from float64 as PyTorch's own bf16 attention at a few keys."""
+    return (exact - out.float()).to(torch.bfloat16)
+
+
+def exact_output(out: Tensor, residual: Tensor | None) -> Tensor:
+    """A forward's output as its kernel computed it: out, fp32 with its `bf16_residual`."""
+    return out if residual is None else out.float() + residual.float()
+
+
 def sink_gradient(
     sinks: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Tensor | None
 ) -> Tensor:
@@ -179,8 +193,10 @@ class FusedBackend(Backend):
     decoding and ring attention:
 
     forward(inputs) -> (out (B, Hq, L, Ev), stats (B, Hq, L, 2) float32: each row's max in
-    base 2 and its sum of 2 ** (score - max); (0, 0) for a row that sees no key);
-    backward(inputs, out, stats, grad_out, grad_lse or None) -> (dq, dk, dv, dmask or None);
+    base 2 and its sum of 2 ** (score - max); (0, 0) for a row that sees no key; residual:
+    a bf16 out's `bf16_residual` where an input requires grad, or None);
+    backward(inputs, out, stats, grad_out, grad_lse or None) -> (dq, dk, dv, dmask or None),
+    out as computed (`exact_output`), or as returned;
     kvcache_forward(KVCacheInputs) -> (out (B, Hq, Lq, Ev), stats (B, Hq, Lq, 2)).
     `lse_from_stats` and `stats_from_lse` convert between stats and natural-log LSEs.
     """
@@ -219,10 +235,10 @@ class FusedBackend(Backend):
         # arguments by signature (~60 us, half a short call). Under torch.func transforms
         # (vmap) the Function's own rules must run, as its apply checks.
         if not inputs.needs_grad and not transformed:
-            out, stats = forward(inputs)
+            out, stats, _ = forward(inputs)
             return out, lse_from_stats(stats) if inputs.variant.return_lse else None
         launchers = (forward, self.backward)
-        out, lse, _ = FusedAttention.apply(
+        out, lse, *_ = FusedAttention.apply(
             launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask,
             inputs.variant.sinks,
         )  # fmt: skip
@@ -230,38 +246,40 @@ class FusedBackend(Backend):
 
 
 class FusedAttention(torch.autograd.Function):
-    """Autograd over a fused kernel's two launchers: (out, lse, stats) from
+    """Autograd over a fused kernel's two launchers: (out, lse, stats, residual) from
     apply((forward, backward), inputs, query, key, value, attn_mask, sinks); lse (natural
-    log, empty unless the call asked for it) is differentiable, stats are not. The
-    launchers' stats hold the sinks' terms, so their backward needs nothing more; the sinks'
-    own gradient is `sink_gradient`.
+    log, empty unless the call asked for it) is differentiable, stats and residual (a bf16
+    out's `bf16_residual`, else empty) are not. The launchers' stats hold the sinks' terms,
+    so their backward needs nothing more; the sinks' own gradient is `sink_gradient`. Both
+    read the output as the kernel computed it (`exact_output`).
 
-    Saves the inputs and (out, stats), never L x S, through save_for_backward, so that an
+    Saves the inputs, out, stats and residual, never L x S, through save_for_backward, so that an
     in-place edit after the forward raises in backward as it does for SDPA. Double backward
     raises a clear error when reached; torch.vmap folds its dim into the batch.
     """
 
     @staticmethod
     def forward(launchers, inputs: AttentionInputs, query, key, value, attn_mask, sinks):
-        out, stats = launchers[0](inputs)
+        out, stats, residual = launchers[0](inputs)
         # Only when asked: a torch op between two numba kernels costs the second one (see
         # attnperf.kernels.numba.launch.float32_array).
         lse = lse_from_stats(stats) if inputs.variant.return_lse else stats.new_empty(0)
-        return out, lse, stats
+        return out, lse, stats, stats.new_empty(0) if residual is None else residual
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         launchers, call, query, key, value, attn_mask, sinks = inputs
         ctx.launch_backward, ctx.call = launchers[1], call
-        out, lse, stats = output
-        ctx.save_for_backward(query, key, value, attn_mask, sinks, out, stats)
-        ctx.mark_non_differentiable(stats)
+        out, lse, stats, residual = output
+        ctx.save_for_backward(query, key, value, attn_mask, sinks, out, stats, residual)
+        ctx.mark_non_differentiable(stats, residual)
         if not call.variant.return_lse:
             ctx.mark_non_differentiable(lse)
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse, _grad_stats):
-        query, key, value, attn_mask, sinks, out, stats = ctx.saved_tensors  # checks edits
+    def backward(ctx, grad_out, grad_lse, _grad_stats, _grad_residual):
+        query, key, value, attn_mask, sinks, out, stats, residual = ctx.saved_tensors  # edits
+        out = exact_output(out, residual if residual.numel() else None)
         inputs = replace(ctx.call, query=query, key=key, value=value, attn_mask=attn_mask,
                          variant=replace(ctx.call.variant, sinks=sinks))  # fmt: skip
         if not inputs.variant.return_lse:
@@ -298,11 +316,15 @@ class FusedAttention(torch.autograd.Function):
         if variant.block_mask is not None and variant.block_mask.shape[0] != 1:
             raise NotImplementedError("torch.vmap over a call with a per-batch block_mask")
         folded = replace(inputs, query=q, key=k, value=v, attn_mask=m, variant=variant)
-        out, lse, stats = FusedAttention.apply(launchers, folded, q, k, v, m, sinks)
+        out, lse, stats, residual = FusedAttention.apply(launchers, folded, q, k, v, m, sinks)
         out, stats = out.unflatten(0, (size, batch)), stats.unflatten(0, (size, batch))
-        if not variant.return_lse:  # empty: not batched
-            return (out, lse, stats), (0, None, 0)
-        return (out, lse.unflatten(0, (size, batch)), stats), (0, 0, 0)
+        # lse and residual: empty where the call has none, and then not batched
+        lse_dim = residual_dim = None
+        if variant.return_lse:
+            lse, lse_dim = lse.unflatten(0, (size, batch)), 0
+        if residual.numel():
+            residual, residual_dim = residual.unflatten(0, (size, batch)), 0
+        return (out, lse, stats, residual), (0, lse_dim, 0, residual_dim)
 
 
 class FusedLinearAttention(torch.autograd.Function):

@@ -28,6 +28,8 @@ from attnperf.api import merge_attention
 from attnperf.backend import (
     Backend,
     FusedBackend,
+    bf16_residual,
+    exact_output,
     lse_from_stats,
     sink_gradient,
     stats_from_lse,
@@ -317,9 +319,10 @@ class RingAttention(torch.autograd.Function):
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
         if sinks is not None:
             out, lse = merge_attention([out], [lse], sinks=sinks.detach())
-        out = out.to(q.dtype)
+        exact, out = out, out.to(q.dtype)
+        residual = bf16_residual(exact, out) if out.dtype == torch.bfloat16 else None
         ctx.call = call
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, residual)
         if not call.return_lse:
             ctx.mark_non_differentiable(lse)
         return out, lse
@@ -327,7 +330,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):
         call: RingCall = ctx.call
-        q, k, v, sinks, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse, residual = ctx.saved_tensors
+        out = exact_output(out, residual)  # rowsum(dO * O) reads O as computed
         times = LAST_TIMES["backward"] = RingTimes()
         if not call.return_lse:
             grad_lse = None
@@ -388,11 +392,12 @@ def _step_blocks(call: RingCall, q: Tensor, kv: list[Tensor], source: int):
 
 
 def _block_forward(backend: Backend, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
-    """(out, natural-log LSE float32) of one block."""
+    """(out, natural-log LSE float32) of one block; a fused kernel's bf16 out as computed
+    (`exact_output`) where the block's inputs require grad, for the merge and the backward."""
     with torch.no_grad():
         if isinstance(backend, FusedBackend):
-            out, stats = backend.forward(inputs)
-            return out, lse_from_stats(stats)
+            out, stats, residual = backend.forward(inputs)
+            return exact_output(out, residual), lse_from_stats(stats)
         out, lse = backend.run(inputs)
         return out, lse.float()
 

@@ -237,8 +237,14 @@ class AttentionInputs:
 
     @property
     def needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and self.differentiable
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether an input requires grad, whatever the grad mode (off inside an
+        autograd.Function's forward, where a kernel learns that a backward will follow)."""
         tensors = (self.query, self.key, self.value, self.attn_mask, self.variant.sinks)
-        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        return any(t is not None and t.requires_grad for t in tensors)
 
     def restore(self, out: Tensor, lse: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Reshape a (B, Hq, L, Ev) result (and its (B, Hq, L) LSE when the call asked for

@@ -225,7 +225,7 @@ def compile_serving_call(kind: str, call: dict) -> None:
         triton_linear_backward(inputs, kept, torch.ones_like(out), torch.ones_like(state))
     elif kind == "varlen":
         inputs = prepare_varlen(**call)
-        out, stats = triton_attention_forward(inputs)
+        out, stats, _ = triton_attention_forward(inputs)
         triton_attention_backward(inputs, out, stats, torch.ones_like(out))
     else:
         triton_kvcache_forward(prepare_kvcache(**call))
@@ -254,7 +254,7 @@ def main() -> int:
             if kind == "attention":
                 variant = {k: v for k, v in call.items() if k not in ("q", "k", "v", "attn_mask")}
                 inputs = prepare(call["q"], call["k"], call["v"], call.get("attn_mask"), **variant)
-                out, stats = triton_attention_forward(inputs)
+                out, stats, _ = triton_attention_forward(inputs)
                 triton_attention_backward(inputs, out, stats, torch.ones_like(out))
             else:
                 compile_serving_call(kind, call)

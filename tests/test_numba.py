@@ -93,7 +93,7 @@ def test_fused_and_two_pass_backward_agree(call, dtype, small_tiles):
                     "alibi_slopes": torch.rand(4, generator=gen), "block_mask": layout}  # fmt: skip
     inputs = prepare(q, k, v, attn_mask=mask, is_causal=call == "causal", enable_gqa=True,
                      **variants)  # fmt: skip
-    out, lse = attention.numba_attention_forward(inputs)
+    out, lse, _ = attention.numba_attention_forward(inputs)
     grad_out = torch.randn(out.shape, generator=gen).to(dtype)
     fused = attention.numba_attention_backward(inputs, out, lse, grad_out, fused=True)
     two_pass = attention.numba_attention_backward(inputs, out, lse, grad_out, fused=False)
@@ -115,7 +115,7 @@ def test_a_zero_head_dim_backward_runs_on_the_kernels_of_other_head_dims():
         q = torch.randn(1, 2, 9, head_dim, generator=gen)
         k = torch.randn(1, 2, 11, head_dim, generator=gen)
         inputs = prepare(q, k, torch.randn(1, 2, 11, 3, generator=gen))
-        out, lse = attention.numba_attention_forward(inputs)
+        out, lse, _ = attention.numba_attention_forward(inputs)
         grad_out = torch.randn(out.shape, generator=gen)
         return grad_out, attention.numba_attention_backward(inputs, out, lse, grad_out, fused=True)
 
@@ -383,7 +383,7 @@ def test_bf16_backward_runs_on_bf16_tiles(monkeypatch):
 
     monkeypatch.setattr(attention, "run_parallel", run_parallel)
     inputs = prepare(*(torch.randn(1, 2, 64, 16).bfloat16() for _ in range(3)))
-    out, stats = attention.numba_attention_forward(inputs)
+    out, stats, _ = attention.numba_attention_forward(inputs)
     for fused in (True, False):
         attention.numba_attention_backward(inputs, out, stats, torch.ones_like(out), fused=fused)
     bf16_kernels = {attention.bf16_backward_dq, attention.bf16_backward_dkdv,

@@ -446,7 +446,7 @@ def test_a_numba_plans_forward_keeps_stats_only_for_calls_that_read_them():
     the plan's forward, the LSE and the gradients through the stats are SDPA's."""
     q, k, v = qkv(1, 2, 16, 8)
     inference = attention.numba_forward_for(prepare(q, k, v))
-    out, stats = inference(prepare(q, k, v))
+    out, stats, _ = inference(prepare(q, k, v))
     assert stats is None
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
     with_lse = prepare(q, k, v, return_lse=True)
@@ -456,7 +456,7 @@ def test_a_numba_plans_forward_keeps_stats_only_for_calls_that_read_them():
     with pytest.MonkeyPatch.context() as patch:  # stats too large to keep: allocated
         patch.setattr(launch, "SCRATCH_MAX_BYTES", 0)
         patch.setattr(launch, "_UNREAD", threading.local())
-        out, stats = inference(prepare(q, k, v))
+        out, stats, _ = inference(prepare(q, k, v))
         assert stats is not None
         torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
     peers = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -3,6 +3,7 @@ recomputing backward (a dq pass and a dk/dv pass, or one fused pass), and their 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from attnperf.backend import bf16_residual
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.amx import (
     TILE_PAIRS,
@@ -26,6 +28,7 @@ from attnperf.kernels.numba.fastmath import (
     exp2_shifted,
     row_maximum,
     to_whole_steps,
+    widen,
 )
 from attnperf.kernels.numba.jit import (
     FASTMATH,
@@ -206,11 +209,15 @@ def start_softmax(acc, state):
 
 
 @njit(fastmath=FASTMATH)
-def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
+def finish_rows(variant, slot, h, first, acc, row_sum, shift, outs, stats):
     """out[slot, h, first:first + rows] and their stats (base-2 max, sum; the sink's term
-    included) from the online softmax's unnormalised acc, sums and shifts; a uint16 out
-    takes the rows rounded to bf16 (their bits)."""
+    included) from the online softmax's unnormalised acc, sums and shifts (outs: (out,
+    residual)). A uint16 out takes the rows rounded to bf16 (their bits), and a residual
+    with rows (bf16 bits, else empty) what the rounding took off each value, rounded to bf16
+    in turn: the backward's rowsum(dO * O) then reads O as computed (`bf16_residual`)."""
+    out, residual = outs
     bf16 = out.itemsize == 2  # bf16 bits
+    keep_residual = residual.shape[0] > 0
     value_dim = out.shape[3]  # acc may have columns more (`fp32_query_tile`'s sixteens)
     for r in range(acc.shape[0]):
         # Rows that see no key (sum 0) give 0; so does their backward (p = 2**x * 0).
@@ -219,7 +226,11 @@ def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
         if bf16:  # the product in float32: it is rounded to bf16 next
             inv32 = np.float32(inv)
             for e in range(value_dim):
-                out[slot, h, i, e] = to_bf16(acc[r, e] * inv32)
+                value = acc[r, e] * inv32
+                bits = to_bf16(value)
+                out[slot, h, i, e] = bits
+                if keep_residual:
+                    residual[slot, h, i, e] = to_bf16(value - widen(bits))
         else:
             for e in range(value_dim):
                 out[slot, h, i, e] = acc[r, e] * inv
@@ -229,10 +240,11 @@ def finish_rows(variant, slot, h, first, acc, row_sum, shift, out, stats):
 
 @njit()
 def forward_arrays(memory):
-    """(q, k, v, out, stats) of a forward in its tensors' memory: q, k, v at any strides
-    (`launch.strided_memory`), out and stats C-contiguous (`launch.memory_of`)."""
+    """(q, k, v, (out, residual), stats) of a forward in its tensors' memory (q, k, v, out,
+    stats, residual): q, k, v at any strides (`launch.strided_memory`), the others
+    C-contiguous (`launch.memory_of`)."""
     q, k, v = strided_at(memory[0]), strided_at(memory[1]), strided_at(memory[2])
-    return q, k, v, array_at(memory[3]), array_at(memory[4])
+    return q, k, v, (array_at(memory[3]), array_at(memory[5])), array_at(memory[4])
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -240,7 +252,7 @@ def online_softmax_forward(memory, variant, scale, block_m, block_n):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
     2 ** (score - max), the sink's term included; fp32 q, k, v with unit stride along E."""
     variant = unowned_members(variant)  # held by the caller
-    q, k, v, out, stats = forward_arrays(memory)
+    q, k, v, outs, stats = forward_arrays(memory)
     q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], v.shape[3]
     group = q_heads // kv_heads
     scale2 = scale * LOG2E
@@ -255,7 +267,7 @@ def online_softmax_forward(memory, variant, scale, block_m, block_n):
             v[slot, hk, k0 : k0 + kv_len], variant, b, h, i0, rows, kv_len, scale2, block_n, s,
             acc, row_max, row_sum, shift,
         )  # fmt: skip
-        finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, out, stats)
+        finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, outs, stats)
 
 
 @njit(fastmath=FASTMATH)
@@ -429,7 +441,7 @@ def packed_tile_buffers(address, rows, width, value_dim, bf16):
 
 
 @njit(fastmath=FASTMATH)
-def packed_query_tile(q, v, key_panels, value_pairs, variant, scale, out, stats, block_n, tile,
+def packed_query_tile(q, v, key_panels, value_pairs, variant, scale, outs, stats, block_n, tile,
                       address):  # fmt: skip
     """Query tile `tile` (`query_tile`'s, rows > 0) of `packed_forward` against its kv
     head's packed keys (and bf16 values), in buffers carved at `address`."""
@@ -460,7 +472,7 @@ def packed_query_tile(q, v, key_panels, value_pairs, variant, scale, out, stats,
             _, v_at, v_row, _ = rows_view(v, slot, hk, k0 + j0)  # V in place: B's rows
             values_view = (v, v_at, v_row, LANES)
             tile_product(cols, ONE, ONE, (s, 0, width, 1), values_view, acc_view, rows, value_dim)
-    finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, out, stats)
+    finish_rows(variant, slot, h, q0 + i0, acc, row_sum, shift, outs, stats)
 
 
 @njit(fastmath=FASTMATH)
@@ -474,7 +486,7 @@ def packed_workspace_bytes(keys, dim, value_dim, block_m, block_n, like):
 
 
 @njit(fastmath=FASTMATH)
-def packed_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace,
+def packed_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n, workspace,
                          first, last):  # fmt: skip
     """Items (sequence, query head, query tile) first .. last - 1 of `packed_forward`, on
     one thread, in its workspace (`packed_workspace_bytes`): each (sequence, kv head)'s
@@ -497,7 +509,7 @@ def packed_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, 
             if value_pairs.shape[0] > 0:
                 pack_vnni(v[slot, hk, k0 : k0 + kv_len], value_pairs)
             packed = head
-        packed_query_tile(q, v, key_panels, value_pairs, variant, scale, out, stats, block_n,
+        packed_query_tile(q, v, key_panels, value_pairs, variant, scale, outs, stats, block_n,
                           tile, tile_address)  # fmt: skip
 
 
@@ -511,12 +523,12 @@ def packed_forward(memory, workspace, variant, scale, block_m, block_n):
     workspace row, with no allocation nor a packing pass of its own
     (`packed_forward_items`)."""
     variant = unowned_members(variant)  # held by the caller
-    q, k, v, out, stats = forward_arrays(memory)
+    q, k, v, outs, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
     for run in prange(runs):
         first, last = run_bounds(run, runs, items)
-        packed_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n,
+        packed_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n,
                              workspace[run], first, last)  # fmt: skip
 
 
@@ -524,9 +536,9 @@ def packed_forward(memory, workspace, variant, scale, block_m, block_n):
 def packed_forward_serial(memory, workspace, variant, scale, block_m, block_n):
     """packed_forward on the calling thread (one query tile: nothing to share)."""
     variant = unowned_members(variant)  # held by the caller
-    q, k, v, out, stats = forward_arrays(memory)
+    q, k, v, outs, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
-    packed_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
+    packed_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n, workspace[0],
                          np.int64(0), items)  # fmt: skip
 
 
@@ -677,7 +689,7 @@ def amx_tile_buffers(address, tile_rows, width, dim, value_dim, by_rows):
 
 
 @njit(fastmath=FASTMATH)
-def amx_query_tile(q, k, k_at, values, variant, scale, out, stats, block_m, block_n, tile,
+def amx_query_tile(q, k, k_at, values, variant, scale, outs, stats, block_m, block_n, tile,
                    address):  # fmt: skip
     """Query tile `tile` (`query_tile`'s, rows > 0) of `amx_forward` against its kv head's
     keys at k_at = (slot, head, first row) of k (where they lie, or as copied) and its V^T
@@ -705,7 +717,7 @@ def amx_query_tile(q, k, k_at, values, variant, scale, out, stats, block_m, bloc
         amx_product(value_tile, p_view, (acc_t, 0, tile_rows), value_dim // TILE_ROWS,
                     tile_rows // TILE_ROWS, depth_steps(cols), True)  # fmt: skip
     transpose_tile(acc_t, acc, value_dim, tile_rows)
-    finish_rows(variant, slot, h, q0 + i0, acc[:rows], row_sum, shift, out, stats)
+    finish_rows(variant, slot, h, q0 + i0, acc[:rows], row_sum, shift, outs, stats)
 
 
 @njit(fastmath=FASTMATH)
@@ -743,7 +755,7 @@ def amx_workspace_bytes(keys, dim, value_dim, block_m, block_n, by_rows, copies)
 
 
 @njit(fastmath=FASTMATH)
-def amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace, first,
+def amx_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n, workspace, first,
                       last):  # fmt: skip
     """Items (sequence, query head, query tile) first .. last - 1 of `amx_forward`, on one
     thread, in its workspace (`amx_workspace_bytes`): V^T of each (sequence, kv head)
@@ -774,7 +786,7 @@ def amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, wor
                 keys = copy_rows(k, slot, hk, k0, kv_len, keys_at)
             packed = head
         k_at = (0, 0, 0) if copies else (slot, hk, k0)
-        amx_query_tile(q, keys, k_at, values, variant, scale, out, stats, block_m, block_n,
+        amx_query_tile(q, keys, k_at, values, variant, scale, outs, stats, block_m, block_n,
                        tile, tile_address)  # fmt: skip
 
 
@@ -785,12 +797,12 @@ def amx_forward(memory, workspace, variant, scale, block_m, block_n):
     per thread (as prange would share them), each run in its own workspace row, with no
     allocation nor a packing pass of its own (`amx_forward_items`)."""
     variant = unowned_members(variant)  # held by the caller
-    q, k, v, out, stats = forward_arrays(memory)
+    q, k, v, outs, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
     for run in prange(runs):
         first, last = run_bounds(run, runs, items)
-        amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n,
+        amx_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n,
                           workspace[run], first, last)  # fmt: skip
 
 
@@ -798,9 +810,9 @@ def amx_forward(memory, workspace, variant, scale, block_m, block_n):
 def amx_forward_serial(memory, workspace, variant, scale, block_m, block_n):
     """amx_forward on the calling thread (one query tile: nothing to share)."""
     variant = unowned_members(variant)  # held by the caller
-    q, k, v, out, stats = forward_arrays(memory)
+    q, k, v, outs, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
-    amx_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
+    amx_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n, workspace[0],
                       np.int64(0), items)  # fmt: skip
 
 
@@ -827,7 +839,7 @@ def fp32_tile_buffers(address, tile_rows, width, dim, value_dim, by_rows):
 
 
 @njit(fastmath=FASTMATH)
-def fp32_query_tile(q, k, v, kv_at, variant, scale, out, stats, block_m, block_n, tile,
+def fp32_query_tile(q, k, v, kv_at, variant, scale, outs, stats, block_m, block_n, tile,
                     address):  # fmt: skip
     """Query tile `tile` (`query_tile`'s, rows > 0) of `fp32_forward`, its scores
     transposed, in buffers carved at `address` (`fp32_tile_buffers`), against its kv head's
@@ -858,7 +870,7 @@ def fp32_query_tile(q, k, v, kv_at, variant, scale, out, stats, block_m, block_n
         tile_product(cols, ONE, ONE, (x, at, 1, row_stride), p_view, acc_view, value_dim,
                      tile_rows)  # fmt: skip
     transpose_tile(acc_t, acc, acc_t.shape[0], tile_rows)
-    finish_rows(variant, slot, h, q0 + i0, acc[:rows], row_sum, shift, out, stats)
+    finish_rows(variant, slot, h, q0 + i0, acc[:rows], row_sum, shift, outs, stats)
 
 
 @njit(fastmath=FASTMATH)
@@ -879,7 +891,7 @@ def fp32_head_bytes(keys, dim, value_dim):
 
 
 @njit(fastmath=FASTMATH)
-def fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace, first,
+def fp32_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n, workspace, first,
                        last):  # fmt: skip
     """Items (sequence, query head, query tile) first .. last - 1 of `fp32_forward`, on one
     thread, in its workspace (`fp32_workspace_bytes`). Keys and values whose rows lie a
@@ -907,7 +919,7 @@ def fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, wo
             values = copy_rows(v, slot, hk, k0, kv_len, address + rows_bytes(kv_len, dim, 4))
             copied = head
         kv_at = (0, 0, 0) if copies else (slot, hk, k0)
-        fp32_query_tile(q, keys, values, kv_at, variant, scale, out, stats, block_m, block_n,
+        fp32_query_tile(q, keys, values, kv_at, variant, scale, outs, stats, block_m, block_n,
                         tile, tile_address)  # fmt: skip
 
 
@@ -917,12 +929,12 @@ def fp32_forward(memory, workspace, variant, scale, block_m, block_n):
     items shared out in workspace.shape[0] runs of consecutive ones, one per thread, each
     in its own workspace row (`fp32_forward_items`)."""
     variant = unowned_members(variant)  # held by the caller
-    q, k, v, out, stats = forward_arrays(memory)
+    q, k, v, outs, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
     for run in prange(runs):
         first, last = run_bounds(run, runs, items)
-        fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n,
+        fp32_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n,
                            workspace[run], first, last)  # fmt: skip
 
 
@@ -930,9 +942,9 @@ def fp32_forward(memory, workspace, variant, scale, block_m, block_n):
 def fp32_forward_serial(memory, workspace, variant, scale, block_m, block_n):
     """fp32_forward on the calling thread (one query tile: nothing to share)."""
     variant = unowned_members(variant)  # held by the caller
-    q, k, v, out, stats = forward_arrays(memory)
+    q, k, v, outs, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
-    fp32_forward_items(q, k, v, variant, scale, out, stats, block_m, block_n, workspace[0],
+    fp32_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n, workspace[0],
                        np.int64(0), items)  # fmt: skip
 
 
@@ -1523,13 +1535,16 @@ class DenseForward:
     out and the numpy views it made cost a call ~50 us against its kernel's ~30.
 
     forward(inputs) -> (out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L,
-    2) fp32: each row's base-2 max and sum, 0 and 0 for a row that sees no key); stats None
-    where made with keep_stats=False (`numba_forward_for`: for calls that read none), unless
-    too large to keep (`stats_output`)."""
+    2) fp32: each row's base-2 max and sum, 0 and 0 for a row that sees no key, residual:
+    a bf16 out's rounding residual where an input requires grad, else None
+    (`FusedBackend`)); stats None where made with keep_stats=False (`numba_forward_for`:
+    for calls that read none), unless too large to keep (`stats_output`)."""
 
     def __init__(self, inputs: AttentionInputs, keep_stats: bool = True):
         self.kind = kind = forward_kind(inputs)
         self.keep_stats = keep_stats
+        # bf16 outputs with a gradient to come: their rounding residual for the backward.
+        self.keep_residual = inputs.differentiable and inputs.dtype == torch.bfloat16
         self.dtype, self.value_dim, self.scale = inputs.dtype, inputs.value_dim, inputs.scale
         # The bf16 tiles take E in pairs: an odd E runs on a zero column more (`bf16_operand`).
         head_dim = inputs.head_dim + (kind == BF16 and inputs.head_dim % 2)
@@ -1572,20 +1587,25 @@ class DenseForward:
         self.workspace = ("forward workspace", (runs, size), np.uint8)
         self.kernel = parallel if self.parallel else serial
 
-    def __call__(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+    def __call__(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor, Tensor | None]:
         operand = bf16_operand if self.kind == BF16 else fp32_operand
         q, k, v = operand(inputs.query), operand(inputs.key), operand(inputs.value)
-        # bf16 calls on our tiles write their output rounded (the kernel's last pass).
+        # bf16 calls on our tiles write their output rounded (the kernel's last pass), and
+        # its rounding residual where a backward will read it.
         out_dtype = torch.bfloat16 if self.kind == BF16 else torch.float32
         out = empty_output(self.out_shape, out_dtype)
         stats, stats_memory = stats_output((*self.out_shape[:3], 2), self.keep_stats)
+        residual, residual_memory = None, _no_residual()[1]
+        if self.keep_residual and self.kind == BF16:
+            residual = empty_output(self.out_shape, torch.bfloat16)
+            residual_memory = memory_of(residual)
         if self.zero:
-            zero_memory(out)
-            if stats is not None:
-                zero_memory(stats)
+            for tensor in (out, stats, residual):
+                if tensor is not None:
+                    zero_memory(tensor)
         if self.kernel is not None:
             memory = (strided_memory(q), strided_memory(k), strided_memory(v), memory_of(out),
-                      stats_memory)  # fmt: skip
+                      stats_memory, residual_memory)  # fmt: skip
             workspace = () if self.workspace is None else (scratch(*self.workspace),)
             args = (memory, *workspace, self.variant, self.scale, *self.blocks)
             if self.parallel:
@@ -1594,12 +1614,25 @@ class DenseForward:
                 self.kernel(*args)
         if out.shape[3] != self.value_dim:  # a bf16 call of odd E ran on a zero column more
             out = out[..., : self.value_dim].contiguous()
-        return (out if out.dtype == self.dtype else out.to(self.dtype)), stats
+            residual = None if residual is None else residual[..., : self.value_dim].contiguous()
+        if out.dtype != self.dtype:
+            exact, out = out, out.to(self.dtype)
+            if self.keep_residual:
+                residual = bf16_residual(exact, out)
+        return out, stats, residual
 
 
-def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+@functools.cache
+def _no_residual() -> tuple[Tensor, tuple]:
+    """An empty bf16 residual and its memory: the forward kernels' where none is kept."""
+    empty = torch.empty((0, 0, 0, 0), dtype=torch.bfloat16)
+    return empty, memory_of(empty)
+
+
+def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor, Tensor | None]:
     """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
-    row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
+    row's base-2 max and sum, 0 and 0 for a row that sees no key, a bf16 out's rounding
+    residual or None: `DenseForward`)."""
     return DenseForward(inputs)(inputs)
 
 

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnperf.backend import bf16_residual
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.triton.configs import (
     backward_config,
@@ -341,16 +342,20 @@ def attention_backward_dq_kernel(
     )
 
 
-def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor, Tensor | None]:
     """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
-    row's base-2 max and sum, 0 and 0 for a row that sees no key)."""
+    row's base-2 max and sum, 0 and 0 for a row that sees no key, a bf16 out's rounding
+    residual where an input requires grad, else None: `FusedBackend`)."""
     q, k, v = inputs.query.detach(), inputs.key.detach(), inputs.value.detach()
     q_heads, q_len = q.shape[1], q.shape[2]
-    out_dtype = store_dtype(q.dtype)
+    keep_residual = inputs.differentiable and q.dtype == torch.bfloat16
+    # Stored in fp32 where a residual is kept: the kernel's rounding leaves none to keep.
+    out_dtype = torch.float32 if keep_residual else store_dtype(q.dtype)
     out = torch.empty((*q.shape[:3], inputs.value_dim), dtype=out_dtype, device=q.device)
     stats = torch.empty((*q.shape[:3], 2), dtype=torch.float32, device=q.device)
     if not inputs.has_pairs and inputs.variant.sinks is None:  # no key is seen
-        return out.zero_().to(q.dtype), stats.zero_()
+        out = out.zero_().to(q.dtype)
+        return out, stats.zero_(), torch.zeros_like(out) if keep_residual else None
     if inputs.has_padding:  # no kernel writes a padded batch's padding rows
         out.zero_(), stats.zero_()
     mask, mask_strides, mask_kind = mask_args(inputs, q)
@@ -367,7 +372,8 @@ def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
         **variant_args, **sink_args(inputs), MASK_KIND=mask_kind, **variant_flags,
         **kernel_flags(inputs),
     )  # fmt: skip
-    return out.to(q.dtype), stats
+    exact, out = out, out.to(q.dtype)
+    return out, stats, bf16_residual(exact, out) if keep_residual else None
 
 
 def triton_attention_backward(
