@@ -150,17 +150,22 @@ def lse_from_stats(stats: Tensor) -> Tensor:
     return torch.where(row_sum > 0, lse, float("-inf"))
 
 
-def bf16_residual(exact: Tensor, out: Tensor) -> Tensor:
-    """What rounding `exact` (fp32) to `out` (bf16) took off each value, rounded to bf16
-    (2 bytes a value, against 4 for keeping `exact`): `exact_output` restores `exact` to
-    about 16 bits. A backward's rowsum(dO * O) reads O so: from the rounded out, its error
-    (2^-9 of O) cancels against dO V^T's where the softmax is peaked, and left dq and dk
-    2-65x as far from float64 as PyTorch's own bf16 attention at a few keys."""
+# Outputs a kernel computes in fp32 and rounds: their residual goes to the backward.
+ROUNDED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def rounding_residual(exact: Tensor, out: Tensor) -> Tensor:
+    """What rounding `exact` (fp32) to `out` (bf16 or fp16) took off each value, rounded to
+    bf16 (fp32's range: fp16's would lose the small ones; 2 bytes a value, against 4 for
+    keeping `exact`): `exact_output` restores `exact` to about 16 bits (bf16) or 19 (fp16).
+    A backward's rowsum(dO * O) reads O so: from the rounded out, its error (2^-9 of O in
+    bf16, 2^-12 in fp16) cancels against dP's where the softmax is peaked, and left dq and
+    dk 2.5-65x as far from float64 as PyTorch's own attention in the same dtype."""
     return (exact - out.float()).to(torch.bfloat16)
 
 
 def exact_output(out: Tensor, residual: Tensor | None) -> Tensor:
-    """A forward's output as its kernel computed it: out, fp32 with its `bf16_residual`."""
+    """A forward's output as its kernel computed it: out, fp32 with its `rounding_residual`."""
     return out if residual is None else out.float() + residual.float()
 
 
@@ -194,7 +199,7 @@ class FusedBackend(Backend):
 
     forward(inputs) -> (out (B, Hq, L, Ev), stats (B, Hq, L, 2) float32: each row's max in
     base 2 and its sum of 2 ** (score - max); (0, 0) for a row that sees no key; residual:
-    a bf16 out's `bf16_residual` where an input requires grad, or None);
+    a bf16 or fp16 out's `rounding_residual` where an input requires grad, or None);
     backward(inputs, out, stats, grad_out, grad_lse or None) -> (dq, dk, dv, dmask or None),
     out as computed (`exact_output`), or as returned;
     kvcache_forward(KVCacheInputs) -> (out (B, Hq, Lq, Ev), stats (B, Hq, Lq, 2)).
@@ -249,9 +254,9 @@ class FusedAttention(torch.autograd.Function):
     """Autograd over a fused kernel's two launchers: (out, lse, stats, residual) from
     apply((forward, backward), inputs, query, key, value, attn_mask, sinks); lse (natural
     log, empty unless the call asked for it) is differentiable, stats and residual (a bf16
-    out's `bf16_residual`, else empty) are not. The launchers' stats hold the sinks' terms,
-    so their backward needs nothing more; the sinks' own gradient is `sink_gradient`. Both
-    read the output as the kernel computed it (`exact_output`).
+    or fp16 out's `rounding_residual`, else empty) are not. The launchers' stats hold the
+    sinks' terms, so their backward needs nothing more; the sinks' own gradient is
+    `sink_gradient`. Both read the output as the kernel computed it (`exact_output`).
 
     Saves the inputs, out, stats and residual, never L x S, through save_for_backward, so that an
     in-place edit after the forward raises in backward as it does for SDPA. Double backward

@@ -26,11 +26,12 @@ from torch import Tensor
 from attnperf import dispatch
 from attnperf.api import merge_attention
 from attnperf.backend import (
+    ROUNDED_DTYPES,
     Backend,
     FusedBackend,
-    bf16_residual,
     exact_output,
     lse_from_stats,
+    rounding_residual,
     sink_gradient,
     stats_from_lse,
 )
@@ -320,7 +321,7 @@ class RingAttention(torch.autograd.Function):
         if sinks is not None:
             out, lse = merge_attention([out], [lse], sinks=sinks.detach())
         exact, out = out, out.to(q.dtype)
-        residual = bf16_residual(exact, out) if out.dtype == torch.bfloat16 else None
+        residual = rounding_residual(exact, out) if out.dtype in ROUNDED_DTYPES else None
         ctx.call = call
         ctx.save_for_backward(q, k, v, sinks, out, lse, residual)
         if not call.return_lse:
@@ -392,7 +393,7 @@ def _step_blocks(call: RingCall, q: Tensor, kv: list[Tensor], source: int):
 
 
 def _block_forward(backend: Backend, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
-    """(out, natural-log LSE float32) of one block; a fused kernel's bf16 out as computed
+    """(out, natural-log LSE float32) of one block; a fused kernel's bf16 or fp16 out as computed
     (`exact_output`) where the block's inputs require grad, for the merge and the backward."""
     with torch.no_grad():
         if isinstance(backend, FusedBackend):

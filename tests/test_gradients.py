@@ -31,15 +31,14 @@ def test_gradients_agree_with_float64_reference(backend, case, dtype):
             assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")
 
 
-def fused_bf16_backward_params():
-    """pytest params: each of our fused kernels that declares a bf16 backward, skipped
-    where unavailable (torch's SDPA, the peer, reads its rounded output: 2.7x at seed 9)."""
+def fused_backward_params():
+    """pytest params: each of our fused kernels that declares backward, skipped where
+    unavailable (torch's SDPA, the peer, reads its rounded output: 2.7x at bf16's seed 9)."""
     params = []
     for backend in dispatch.registry().values():
-        capabilities = backend.capabilities
-        if not isinstance(backend, FusedBackend) or "backward" not in capabilities.features:
+        if not isinstance(backend, FusedBackend):
             continue
-        if torch.bfloat16 not in capabilities.dtypes:
+        if "backward" not in backend.capabilities.features:
             continue
         reason = backend.unavailable_reason()
         marks = [pytest.mark.skip(reason=reason)] if reason else []
@@ -47,18 +46,26 @@ def fused_bf16_backward_params():
     return params
 
 
-@pytest.mark.parametrize("backend", fused_bf16_backward_params())
-@pytest.mark.parametrize("seed", [9, 12])
-def test_bf16_gradients_read_the_output_as_computed_not_rounded(backend, seed):
-    """One query over five keys, bf16: the backward's rowsum(dO * O) read from the rounded
-    output (2^-9 of O off) cancels against dO V^T's and left dq and dk 2.5-2.9x as far from
-    float64 as PyTorch's own bf16 attention at these seeds; read as the kernel computed it
-    (the output and its rounding residual, `attnperf.backend.bf16_residual`), 0.8-1.0x."""
+@pytest.mark.parametrize("backend", fused_backward_params())
+@pytest.mark.parametrize(
+    "dtype, scale, seed",
+    [(torch.bfloat16, None, 9), (torch.bfloat16, None, 12), (torch.float16, 1.0, 3),
+     (torch.float16, 1.0, 23)],
+    ids=["bf16-seed9", "bf16-seed12", "fp16-seed3", "fp16-seed23"],
+)  # fmt: skip
+def test_reduced_precision_gradients_read_the_output_as_computed(backend, dtype, scale, seed):
+    """One query over five keys (E = 64; fp16's scores scaled 8x, more peaked): the
+    backward's rowsum(dO * O) read from the rounded output (2^-9 of O off in bf16, 2^-12 in
+    fp16) cancels against dO V^T's and left dq and dk 2.5-2.9x (bf16) and 5.7-8.6x (fp16)
+    as far from float64 as PyTorch's own attention in the dtype at these seeds; read as the
+    kernel computed it (the output and its `attnperf.backend.rounding_residual`),
+    0.01-1.0x."""
     device = device_for(backend)
     gen = torch.Generator().manual_seed(seed)
-    args = {name: torch.randn(1, 1, rows, 64, generator=gen).bfloat16().to(device)
+    args = {name: torch.randn(1, 1, rows, 64, generator=gen).to(device, dtype)
             for name, rows in (("query", 1), ("key", 5), ("value", 5))}  # fmt: skip
-    grad_out = torch.randn(1, 1, 1, 64, generator=gen).bfloat16().to(device)
+    grad_out = torch.randn(1, 1, 1, 64, generator=gen).to(device, dtype)
+    args["scale"] = scale
 
     def run(**call):
         return attnperf.attention(**call, backend=backend.name)

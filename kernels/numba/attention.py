@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnperf.backend import bf16_residual
+from attnperf.backend import ROUNDED_DTYPES, rounding_residual
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.amx import (
     TILE_PAIRS,
@@ -214,7 +214,7 @@ def finish_rows(variant, slot, h, first, acc, row_sum, shift, outs, stats):
     included) from the online softmax's unnormalised acc, sums and shifts (outs: (out,
     residual)). A uint16 out takes the rows rounded to bf16 (their bits), and a residual
     with rows (bf16 bits, else empty) what the rounding took off each value, rounded to bf16
-    in turn: the backward's rowsum(dO * O) then reads O as computed (`bf16_residual`)."""
+    in turn: the backward's rowsum(dO * O) then reads O as computed (`rounding_residual`)."""
     out, residual = outs
     bf16 = out.itemsize == 2  # bf16 bits
     keep_residual = residual.shape[0] > 0
@@ -1536,15 +1536,16 @@ class DenseForward:
 
     forward(inputs) -> (out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L,
     2) fp32: each row's base-2 max and sum, 0 and 0 for a row that sees no key, residual:
-    a bf16 out's rounding residual where an input requires grad, else None
+    a bf16 or fp16 out's rounding residual where an input requires grad, else None
     (`FusedBackend`)); stats None where made with keep_stats=False (`numba_forward_for`:
     for calls that read none), unless too large to keep (`stats_output`)."""
 
     def __init__(self, inputs: AttentionInputs, keep_stats: bool = True):
         self.kind = kind = forward_kind(inputs)
         self.keep_stats = keep_stats
-        # bf16 outputs with a gradient to come: their rounding residual for the backward.
-        self.keep_residual = inputs.differentiable and inputs.dtype == torch.bfloat16
+        # bf16 and fp16 outputs with a gradient to come: their rounding residual for the
+        # backward (`rounding_residual`).
+        self.keep_residual = inputs.differentiable and inputs.dtype in ROUNDED_DTYPES
         self.dtype, self.value_dim, self.scale = inputs.dtype, inputs.value_dim, inputs.scale
         # The bf16 tiles take E in pairs: an odd E runs on a zero column more (`bf16_operand`).
         head_dim = inputs.head_dim + (kind == BF16 and inputs.head_dim % 2)
@@ -1618,7 +1619,7 @@ class DenseForward:
         if out.dtype != self.dtype:
             exact, out = out, out.to(self.dtype)
             if self.keep_residual:
-                residual = bf16_residual(exact, out)
+                residual = rounding_residual(exact, out)
         return out, stats, residual
 
 
@@ -1631,8 +1632,8 @@ def _no_residual() -> tuple[Tensor, tuple]:
 
 def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor, Tensor | None]:
     """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
-    row's base-2 max and sum, 0 and 0 for a row that sees no key, a bf16 out's rounding
-    residual or None: `DenseForward`)."""
+    row's base-2 max and sum, 0 and 0 for a row that sees no key, a bf16 or fp16 out's
+    rounding residual or None: `DenseForward`)."""
     return DenseForward(inputs)(inputs)
 
 

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnperf.backend import bf16_residual
+from attnperf.backend import ROUNDED_DTYPES, rounding_residual
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.triton.configs import (
     backward_config,
@@ -344,11 +344,11 @@ def attention_backward_dq_kernel(
 
 def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor, Tensor | None]:
     """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
-    row's base-2 max and sum, 0 and 0 for a row that sees no key, a bf16 out's rounding
-    residual where an input requires grad, else None: `FusedBackend`)."""
+    row's base-2 max and sum, 0 and 0 for a row that sees no key, a bf16 or fp16 out's
+    rounding residual where an input requires grad, else None: `FusedBackend`)."""
     q, k, v = inputs.query.detach(), inputs.key.detach(), inputs.value.detach()
     q_heads, q_len = q.shape[1], q.shape[2]
-    keep_residual = inputs.differentiable and q.dtype == torch.bfloat16
+    keep_residual = inputs.differentiable and q.dtype in ROUNDED_DTYPES
     # Stored in fp32 where a residual is kept: the kernel's rounding leaves none to keep.
     out_dtype = torch.float32 if keep_residual else store_dtype(q.dtype)
     out = torch.empty((*q.shape[:3], inputs.value_dim), dtype=out_dtype, device=q.device)
@@ -373,7 +373,7 @@ def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor, T
         **kernel_flags(inputs),
     )  # fmt: skip
     exact, out = out, out.to(q.dtype)
-    return out, stats, bf16_residual(exact, out) if keep_residual else None
+    return out, stats, rounding_residual(exact, out) if keep_residual else None
 
 
 def triton_attention_backward(
