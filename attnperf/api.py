@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from attnperf import dispatch, ops, plans
-from attnperf.inputs import check_sinks, prepare
+from attnperf.inputs import check_sinks, func_grad_active, prepare
 from attnperf.layouts import BlockMask
 from attnperf.linear_inputs import prepare_linear
 from attnperf.serving import (
@@ -82,7 +82,7 @@ def attention(
     # A call whose metadata was seen before (outside autocast) skips its checks and the
     # backend's choice: they are kept (attnperf.plans).
     metadata = None
-    if autocast is None:
+    if autocast is None and not func_grad_active():  # a plan's backend may not serve these
         metadata = plans.dense_key(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                    enable_gqa, backend, variants)  # fmt: skip
     plan = None if metadata is None else plans.dense_plan(metadata)

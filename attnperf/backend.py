@@ -28,6 +28,7 @@ FEATURES = {
     "gqa": "grouped-query attention",
     "dropout": "dropout_p > 0",
     "backward": "backward (inputs require grad)",
+    "func_grad": "torch.func's grad and jvp transforms (use loss.backward(), or vmap alone)",
     "sinks": "sinks",
     "varlen": "packed variable-length sequences (attention_varlen)",
     "kvcache": "KV-cache attention (attention_with_kvcache)",

@@ -216,6 +216,7 @@ class AttentionInputs:
             "backward": self.needs_grad,
             "varlen": variant.sequences is not None,
             "sinks": variant.sinks is not None,
+            "func_grad": func_grad_active(),
         }  # fmt: skip
         return {name for name, needed in wanted.items() if needed}
 
@@ -257,6 +258,18 @@ class AttentionInputs:
         if not self.variant.return_lse:
             return out
         return out, lse.reshape(self.out_shape[:-1])
+
+
+def func_grad_active() -> bool:
+    """Whether a torch.func grad or jvp transform is active (vmap alone is not): its
+    tensors are wrappers with no memory of their own, and a fused kernel reads memory."""
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    levels = torch._C._functorch.get_interpreter_stack() or ()
+    return any(level.key() in _GRAD_TRANSFORMS for level in levels)
+
+
+_GRAD_TRANSFORMS = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
 
 
 def band(

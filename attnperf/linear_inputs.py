@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnperf.inputs import SUPPORTED_DTYPES, check_flag, check_real
+from attnperf.inputs import SUPPORTED_DTYPES, check_flag, check_real, func_grad_active
 from attnperf.layouts import describe_type
 from attnperf.serving import check_cu_seqlens
 
@@ -93,7 +93,9 @@ class LinearAttentionInputs:
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
     def features(self) -> set[str]:
-        return {"linear", "linear_backward"} if self.needs_grad else {"linear"}
+        wanted = {"linear": True, "linear_backward": self.needs_grad,
+                  "func_grad": func_grad_active()}  # fmt: skip
+        return {name for name, needed in wanted.items() if needed}
 
     def as_gradients(self, *grads: Tensor) -> tuple[Tensor | None, ...]:
         """A kernel's float32 gradients of (q, k, v, g, beta, initial_state), each viewed as

@@ -107,3 +107,33 @@ def test_numba_called_from_four_threads_gives_the_single_thread_result():
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_torch_func_grad_is_refused_by_name_and_served_by_auto(backend):
+    """torch.func's grad transform wraps tensors with no memory of their own, which a fused
+    kernel reads: named, the backend refuses with the reason (it crashed deep in a launcher
+    before); "auto" takes a backend that serves it, and the gradient is the reference's."""
+    q, k, v = (t.detach() for t in leaves((2, 9, 8), (2, 11, 8), (2, 11, 8), backend=backend))
+
+    def loss(q, k, v, backend):
+        return attnperf.attention(q, k, v, is_causal=True, backend=backend).sum()
+
+    with pytest.raises(attnperf.BackendNotSupportedError, match=r"torch\.func's grad"):
+        torch.func.grad(loss)(q, k, v, backend)
+    expected = torch.func.grad(loss)(q, k, v, "reference")
+    torch.testing.assert_close(torch.func.grad(loss)(q, k, v, "auto"), expected)
+    attnperf.attention(q, k, v, backend=backend)  # outside the transform it serves again
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_torch_func_grad_of_linear_attention_is_refused_by_name_and_served_by_auto(backend):
+    q, k, v = (t.detach() for t in leaves(*[(1, 16, 2, 8)] * 3, backend=backend))
+
+    def loss(q, k, v, backend):
+        return attnperf.linear_attention(q, k, v, backend=backend)[0].sum()
+
+    with pytest.raises(attnperf.BackendNotSupportedError, match=r"torch\.func's grad"):
+        torch.func.grad(loss)(q, k, v, backend)
+    expected = torch.func.grad(loss)(q, k, v, "reference")
+    torch.testing.assert_close(torch.func.grad(loss)(q, k, v, "auto"), expected)

@@ -22,7 +22,7 @@ class NumbaBackend(FusedBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         max_head_dim=None,
-        features=frozenset(FEATURES) - {"dropout", "kvcache_backward"},
+        features=frozenset(FEATURES) - {"dropout", "kvcache_backward", "func_grad"},
     )
 
     forward = staticmethod(numba_attention_forward)

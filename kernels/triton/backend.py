@@ -18,7 +18,7 @@ class TritonBackend(FusedBackend):
         devices=("cuda", "cpu") if INTERPRET else ("cuda",),
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         max_head_dim=MAX_HEAD_DIM,
-        features=frozenset(FEATURES) - {"dropout", "kvcache_backward"},
+        features=frozenset(FEATURES) - {"dropout", "kvcache_backward", "func_grad"},
     )
 
     forward = staticmethod(triton_attention_forward)
