@@ -64,8 +64,10 @@ FEATURE_CALLS = {
 
 
 # The serving calls' and linear attention's features are walked where those calls are
-# tested (test_varlen.py, test_kvcache.py, test_linear.py): `attention` cannot ask for them.
-OTHER_CALLS = {"varlen", "kvcache", "kvcache_backward", "kvcache_int8", "linear", "linear_backward"}
+# tested (test_varlen.py, test_kvcache.py, test_linear.py): `attention` cannot ask for them;
+# nor for torch.func's transforms (func_grad: test_fused_autograd.py), which wrap a call.
+OTHER_CALLS = {"varlen", "kvcache", "kvcache_backward", "kvcache_int8", "linear", "linear_backward",
+               "func_grad"}  # fmt: skip
 ATTENTION_FEATURES = [f for f in FEATURES if f not in OTHER_CALLS]
 
 
