@@ -165,6 +165,16 @@ def rounding_residual(exact: Tensor, out: Tensor) -> Tensor:
     return (exact - out.float()).to(torch.bfloat16)
 
 
+def rounded_output(
+    exact: Tensor, dtype: torch.dtype, keep_residual: bool
+) -> tuple[Tensor, Tensor | None]:
+    """(exact (fp32) rounded to dtype, its `rounding_residual` where keep_residual and the
+    rounding takes something off, else None): a kernel's fp32 output for its caller."""
+    out = exact.to(dtype)
+    keep = keep_residual and out.dtype in ROUNDED_DTYPES
+    return out, rounding_residual(exact, out) if keep else None
+
+
 def exact_output(out: Tensor, residual: Tensor | None) -> Tensor:
     """A forward's output as its kernel computed it: out, fp32 with its `rounding_residual`."""
     return out if residual is None else out.float() + residual.float()

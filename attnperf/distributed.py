@@ -26,12 +26,11 @@ from torch import Tensor
 from attnperf import dispatch
 from attnperf.api import merge_attention
 from attnperf.backend import (
-    ROUNDED_DTYPES,
     Backend,
     FusedBackend,
     exact_output,
     lse_from_stats,
-    rounding_residual,
+    rounded_output,
     sink_gradient,
     stats_from_lse,
 )
@@ -320,8 +319,7 @@ class RingAttention(torch.autograd.Function):
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
         if sinks is not None:
             out, lse = merge_attention([out], [lse], sinks=sinks.detach())
-        exact, out = out, out.to(q.dtype)
-        residual = rounding_residual(exact, out) if out.dtype in ROUNDED_DTYPES else None
+        out, residual = rounded_output(out, q.dtype, keep_residual=True)
         ctx.call = call
         ctx.save_for_backward(q, k, v, sinks, out, lse, residual)
         if not call.return_lse:

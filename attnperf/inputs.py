@@ -260,6 +260,10 @@ class AttentionInputs:
         return out, lse.reshape(self.out_shape[:-1])
 
 
+# torch.func transforms whose tensors are wrappers without memory (vmap batches memory).
+_GRAD_TRANSFORMS = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+
+
 def func_grad_active() -> bool:
     """Whether a torch.func grad or jvp transform is active (vmap alone is not): its
     tensors are wrappers with no memory of their own, and a fused kernel reads memory."""
@@ -267,9 +271,6 @@ def func_grad_active() -> bool:
         return False
     levels = torch._C._functorch.get_interpreter_stack() or ()
     return any(level.key() in _GRAD_TRANSFORMS for level in levels)
-
-
-_GRAD_TRANSFORMS = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
 
 
 def band(

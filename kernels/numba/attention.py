@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnperf.backend import ROUNDED_DTYPES, rounding_residual
+from attnperf.backend import ROUNDED_DTYPES, rounded_output
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.amx import (
     TILE_PAIRS,
@@ -1616,10 +1616,8 @@ class DenseForward:
         if out.shape[3] != self.value_dim:  # a bf16 call of odd E ran on a zero column more
             out = out[..., : self.value_dim].contiguous()
             residual = None if residual is None else residual[..., : self.value_dim].contiguous()
-        if out.dtype != self.dtype:
-            exact, out = out, out.to(self.dtype)
-            if self.keep_residual:
-                residual = rounding_residual(exact, out)
+        if out.dtype != self.dtype:  # fp32 tiles' output: rounded here, its residual kept
+            out, residual = rounded_output(out, self.dtype, self.keep_residual)
         return out, stats, residual
 
 

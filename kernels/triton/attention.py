@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnperf.backend import ROUNDED_DTYPES, rounding_residual
+from attnperf.backend import ROUNDED_DTYPES, rounded_output
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.triton.configs import (
     backward_config,
@@ -354,8 +354,8 @@ def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor, T
     out = torch.empty((*q.shape[:3], inputs.value_dim), dtype=out_dtype, device=q.device)
     stats = torch.empty((*q.shape[:3], 2), dtype=torch.float32, device=q.device)
     if not inputs.has_pairs and inputs.variant.sinks is None:  # no key is seen
-        out = out.zero_().to(q.dtype)
-        return out, stats.zero_(), torch.zeros_like(out) if keep_residual else None
+        out, residual = rounded_output(out.zero_(), q.dtype, keep_residual)
+        return out, stats.zero_(), residual
     if inputs.has_padding:  # no kernel writes a padded batch's padding rows
         out.zero_(), stats.zero_()
     mask, mask_strides, mask_kind = mask_args(inputs, q)
@@ -372,8 +372,8 @@ def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor, T
         **variant_args, **sink_args(inputs), MASK_KIND=mask_kind, **variant_flags,
         **kernel_flags(inputs),
     )  # fmt: skip
-    exact, out = out, out.to(q.dtype)
-    return out, stats, rounding_residual(exact, out) if keep_residual else None
+    out, residual = rounded_output(out, q.dtype, keep_residual)
+    return out, stats, residual
 
 
 def triton_attention_backward(
