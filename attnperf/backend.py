@@ -211,8 +211,9 @@ class FusedBackend(Backend):
     forward(inputs) -> (out (B, Hq, L, Ev), stats (B, Hq, L, 2) float32: each row's max in
     base 2 and its sum of 2 ** (score - max); (0, 0) for a row that sees no key; residual:
     a bf16 or fp16 out's `rounding_residual` where an input requires grad, or None);
-    backward(inputs, out, stats, grad_out, grad_lse or None) -> (dq, dk, dv, dmask or None),
-    out as computed (`exact_output`), or as returned;
+    backward(inputs, out, stats, grad_out, grad_lse or None, partial_keys=False) -> (dq, dk,
+    dv, dmask or None), out as computed (`exact_output`), or as returned; partial_keys: out
+    and stats are a larger attention's, the call's keys a part of it (ring attention);
     kvcache_forward(KVCacheInputs) -> (out (B, Hq, Lq, Ev), stats (B, Hq, Lq, 2)).
     `lse_from_stats` and `stats_from_lse` convert between stats and natural-log LSEs.
     """

@@ -406,7 +406,7 @@ def _block_backward(backend, inputs, out, lse, grad_out, grad_lse) -> tuple[Tens
     if isinstance(backend, FusedBackend):
         with torch.no_grad():
             dq, dk, dv, _ = backend.backward(inputs, out, stats_from_lse(lse), grad_out,
-                                             grad_lse)  # fmt: skip
+                                             grad_lse, partial_keys=True)  # fmt: skip
         return dq.float(), dk.float(), dv.float()
     # Any other backend: the block's own (out_b, lse_b) again, differentiated through the
     # merge rule: out = sum_b w_b out_b, w_b = exp(lse_b - lse), so d out_b = w_b d out and

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cases import CASES, VARIANT_CASES, results_and_gradients
+from cases import CASES, VARIANT_CASES, output_and_gradients, results_and_gradients
 
 import attnperf
 from attnperf import dispatch, plans
@@ -400,6 +400,64 @@ def test_bf16_backward_runs_on_bf16_tiles(monkeypatch):
 )
 def test_backward_schedule_follows_thread_occupancy(items, threads, fused):
     assert attention.fused_backward_pays(items, threads) is fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [4, 17, 100])
+def test_rows_of_one_key_get_no_query_or_key_gradient(head_dim, dtype):
+    """A window of (0, 0): each row sees its own key alone, so autograd's softmax gives dq
+    and dk exactly 0. Where one key tile holds a row's keys, its delta is corrected by the
+    tile's own dP (`score_gradients`' whole rows); from rowsum(dO * O) alone they were
+    1e-5 to 6e-5 off at E = 17 and 100, scale 3."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 37, head_dim, generator=gen).to(dtype).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    out = attnperf.attention(q, k, v, window=(0, 0), scale=3.0, backend="numba")
+    out.backward(torch.randn(out.shape, generator=gen).to(dtype))
+    assert q.grad.count_nonzero() == 0
+    assert k.grad.count_nonzero() == 0
+
+
+def assert_gradients_agree(args, grad_out):
+    """numba's gradients of attention(**args) under grad_out, by the agreement rule."""
+
+    def run(**call):
+        return attnperf.attention(**call, backend="numba")
+
+    _, actual = output_and_gradients(run, args, grad_out)
+    _, exact = output_and_gradients(float64_reference, args, grad_out, cast=torch.float64)
+    _, baseline = output_and_gradients(same_precision_reference, args, grad_out)
+    for name in actual:
+        assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")
+
+
+@pytest.mark.parametrize(
+    "length, causal, scale, seed", [(4, True, 3.0, 6), (4, True, 3.0, 11), (8, False, 1.0, 10)]
+)
+def test_fp32_gradients_agree_at_peaked_softmaxes(length, causal, scale, seed):
+    """Scores 10-30x the default scale (E = 100): a row's softmax mostly on one or two
+    keys, where FlashAttention's delta, rowsum(dO * O), and that key's dP differ by their
+    roundings and dS carries it. These seeds left dq and dk 1.1-4.3x as far from float64
+    as PyTorch's own fp32 attention; with delta corrected by the tile's dP (all keys in one
+    tile), 0.05-0.6x."""
+    gen = torch.Generator().manual_seed(seed)
+    args = {name: torch.randn(1, 2, length, 100, generator=gen)
+            for name in ("query", "key", "value")}  # fmt: skip
+    args.update(scale=scale, is_causal=causal)
+    grad_out = torch.randn(1, 2, length, 100, generator=gen)
+    assert_gradients_agree(args, grad_out)
+
+
+def test_sinks_gradients_agree_where_a_tile_holds_every_key():
+    """Sinks take a share of each row's softmax whose dP is 0, so a tile's keys' P sums
+    short of 1: such calls keep rowsum(dO * O) (the whole rows' correction of delta, by
+    P normalised over the keys alone, left dq 0.9 off). Without the LSE, which the
+    variant cases return (its gradient keeps delta as it is too)."""
+    gen = torch.Generator().manual_seed(0)
+    args = {name: torch.randn(1, 2, 8, 16, generator=gen) for name in ("query", "key", "value")}
+    args.update(sinks=torch.tensor([2.0, 0.5]), is_causal=True)
+    grad_out = torch.randn(1, 2, 8, 16, generator=gen)
+    assert_gradients_agree(args, grad_out)
 
 
 def test_exp2_is_within_its_stated_error_and_keeps_nan():

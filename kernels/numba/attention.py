@@ -1006,12 +1006,31 @@ def scores_to_probabilities(p, dtanh, variant, b, h, i0, j0, rows, cols, structu
 
 
 @njit(fastmath=FASTMATH)
-def score_gradients(p, dp, delta, rows, cols):
+def score_gradients(p, dp, delta, whole_rows, rows, cols):
     """dp <- dS = P * (dP - delta) on [:rows, :cols] of C-contiguous buffers: the gradient
-    of the final scores (a float mask's gradient)."""
+    of the final scores (a float mask's gradient).
+
+    With `whole_rows` (the tile holds every key its rows see; delta is FlashAttention's
+    rowsum(dO * O), no dLSE), each row's delta first takes the tile's sum of
+    P / sum(P) * (dP - delta), which makes it autograd's sum of P * dP over the very dP
+    values that dS reads. Where one key takes nearly all of a row's softmax, rowsum(dO * O)
+    and that key's dP differ by their own roundings, and dS, dq and dk carried it (1.1-4.3x
+    the agreement rule's tolerance at E = 100, scale 1-3, L = 4-8). The correction is
+    summed as differences from delta, and normalised by the tile's own sum of P, which the
+    recomputed scores' last bits move off 1 (by ~1e-6 at scores ~40): a row of one key
+    then gets delta = its dP and dS = 0 exactly, as in autograd.
+    """
     for r in range(rows):
         d = delta[r]
         p_row, dp_row = p[r], dp[r]
+        if whole_rows:
+            mass = np.float32(0.0)
+            correction = np.float32(0.0)
+            for c in range(cols):
+                mass += p_row[c]
+                correction += p_row[c] * (dp_row[c] - d)
+            if mass > 0:
+                d += correction / mass
         for c in range(cols):
             dp_row[c] = p_row[c] * (dp_row[c] - d)
 
@@ -1027,11 +1046,11 @@ def through_softcap(ds, dtanh, rows, cols):
 
 @njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dq(
-    q_any, k_any, v_any, panels, variant, scale, stats, grad_out_any, delta, dq, dmask, block_m,
-    block_n,
+    q_any, k_any, v_any, panels, variant, scale, stats, grad_out_any, delta, whole_rows, dq,
+    dmask, block_m, block_n,
 ):  # fmt: skip
     """dq += (and the float mask's gradient dS into dmask, unless it is empty) per query
-    tile."""
+    tile (`whole_rows` as `score_gradients`')."""
     variant = unowned_members(variant)  # held by the caller
     # launch.any_layout's views:
     q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]
@@ -1064,8 +1083,9 @@ def attention_backward_dq(
             )  # fmt: skip
             product_with_transposed(do_tile, v_tile, panels[1], b, hk, j0, ds, 1.0, variant[13])
             score_gradients(
-                p_buffer, ds_buffer, delta[slot, h, q0 + i0 : q0 + i0 + rows], rows, cols
-            )
+                p_buffer, ds_buffer, delta[slot, h, q0 + i0 : q0 + i0 + rows], whole_rows, rows,
+                cols,
+            )  # fmt: skip
             if want_dmask:  # plain calls only: slot b, no row offsets
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
             if softcapped:
@@ -1084,7 +1104,7 @@ def attention_backward_dq(
 
 @njit(fastmath=FASTMATH)
 def key_tile_gradients(
-    q, k, v, panels, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask,
+    q, k, v, panels, variant, scale, stats, grad_out, delta, whole_rows, dq, dk, dv, dmask,
     b, hk, j0, cols, block_m, p_buffer, ds_buffer, dtanh, with_dq,
 ):  # fmt: skip
     """dk, dv += those of keys j0..j0+cols of head hk, over the query heads of its group.
@@ -1116,7 +1136,7 @@ def key_tile_gradients(
             )  # fmt: skip
             product(p, do_tile, dv_tile, 1.0, 1.0, True, False, variant[13])
             product_with_transposed(do_tile, v_tile, panels[1], b, hk, j0, ds, 1.0, variant[13])
-            score_gradients(p_buffer, ds_buffer, delta[slot, h, queries], rows, cols)
+            score_gradients(p_buffer, ds_buffer, delta[slot, h, queries], whole_rows, rows, cols)
             if want_dmask:  # plain calls only: slot b, no row offsets
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
             if softcapped:
@@ -1128,8 +1148,8 @@ def key_tile_gradients(
 
 @njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_dkdv(
-    q_any, k_any, v_any, panels, variant, scale, stats, grad_out_any, delta, dk, dv, block_m,
-    block_n,
+    q_any, k_any, v_any, panels, variant, scale, stats, grad_out_any, delta, whole_rows, dk, dv,
+    block_m, block_n,
 ):  # fmt: skip
     """dk, dv += per key tile, summed over every query head of the key/value head's group."""
     variant = unowned_members(variant)  # held by the caller
@@ -1149,15 +1169,15 @@ def attention_backward_dkdv(
         ds_buffer = np.empty((block_m, cols), np.float32)
         dtanh = np.empty((block_m if softcapped else 0, cols), np.float32)
         key_tile_gradients(
-            q, k, v, panels, variant, scale, stats, grad_out, delta, unused, dk, dv, unused,
-            b, hk, j0, cols, block_m, p_buffer, ds_buffer, dtanh, False,
+            q, k, v, panels, variant, scale, stats, grad_out, delta, whole_rows, unused, dk, dv,
+            unused, b, hk, j0, cols, block_m, p_buffer, ds_buffer, dtanh, False,
         )  # fmt: skip
 
 
 @njit(parallel=True, fastmath=FASTMATH)
 def attention_backward_fused(
-    q_any, k_any, v_any, panels, variant, scale, stats, grad_out_any, delta, dq, dk, dv, dmask,
-    block_m, block_n,
+    q_any, k_any, v_any, panels, variant, scale, stats, grad_out_any, delta, whole_rows, dq, dk,
+    dv, dmask, block_m, block_n,
 ):  # fmt: skip
     """dq, dk, dv += (and dS into an L x S dmask) in one pass: P and dP are computed once.
 
@@ -1177,9 +1197,9 @@ def attention_backward_fused(
         dtanh = np.empty((block_m if softcapped else 0, block_n), np.float32)
         for j0 in range(0, kv_len, block_n):
             key_tile_gradients(
-                q, k, v, panels, variant, scale, stats, grad_out, delta, dq, dk, dv, dmask,
-                b, hk, j0, min(block_n, kv_len - j0), block_m, p_buffer, ds_buffer, dtanh,
-                True,
+                q, k, v, panels, variant, scale, stats, grad_out, delta, whole_rows, dq, dk, dv,
+                dmask, b, hk, j0, min(block_n, kv_len - j0), block_m, p_buffer, ds_buffer,
+                dtanh, True,
             )  # fmt: skip
 
 
@@ -1279,7 +1299,7 @@ def bf16_score_gradients(q, grad_out, operands, variant, scale2, stats, delta, d
         do_rows = rows_view(grad_out, slot, h, q0 + i0)
         tile_product(value_panels.shape[3], ONE, ZERO, do_rows, values, (ds, 0, ds.shape[1]),
                      rows, cols)  # fmt: skip
-    score_gradients(p, ds, delta[slot, h, q0 + i0 : q0 + i0 + rows], rows, cols)
+    score_gradients(p, ds, delta[slot, h, q0 + i0 : q0 + i0 + rows], False, rows, cols)
     if want_dmask:  # plain calls only: slot b, no row offsets
         dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds[:rows, :cols]
     if variant[5] != 0:
@@ -1764,6 +1784,7 @@ def numba_attention_backward(
     grad_out: Tensor,
     grad_lse: Tensor | None = None,
     fused: bool | None = None,
+    partial_keys: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dmask or None) in the inputs' dtypes, by FlashAttention-2 recomputation:
     on bf16 tiles for bf16 inputs where the forward runs on them (`forward_kind`), P and dS
@@ -1771,7 +1792,9 @@ def numba_attention_backward(
     only shifts delta = rowsum(dO * O).
 
     `fused`: one pass over (batch, kv head) items, or a dq pass and a dk/dv pass over tiles;
-    None picks the fused pass where it pays (`fused_backward_pays`).
+    None picks the fused pass where it pays (`fused_backward_pays`). `partial_keys`: out and
+    stats are a larger attention's, of which the call's keys are a part (ring attention's
+    blocks), so a row's P over them sums short of 1.
     """
     bf16 = forward_kind(inputs) == BF16
     query, key = inputs.query, inputs.key
@@ -1802,9 +1825,16 @@ def numba_attention_backward(
             inputs.sequence_count * inputs.kv_heads, torch.get_num_threads()
         )
     if inputs.has_pairs:
+        blocks = tile_sizes(inputs, backward=True)
+        # On fp32 tiles, where one key tile holds every key a row sees, the tiles correct
+        # delta (`score_gradients`' whole rows); not where a dLSE, a sink's share of the
+        # softmax (whose dP is 0) or other keys' would enter it.
+        whole_rows = (
+            not bf16 and grad_lse is None and inputs.variant.sinks is None and not partial_keys
+            and longest_in_table(variant, 4) <= blocks[1]
+        )  # fmt: skip
         do_fp32 = as_fp32(grad_out) if bf16 else do
         run_parallel(softmax_delta, as_fp32(out), do_fp32, stats, lse_grad, delta)
-        blocks = tile_sizes(inputs, backward=True)
         if bf16:
             common = (any_layout(q), any_layout(do), bf16_backward_operands(q, k, v, do, variant),
                       variant, inputs.scale, stats, delta)  # fmt: skip
@@ -1817,7 +1847,7 @@ def numba_attention_backward(
                 run_parallel(bf16_backward_dkdv, *common, dk_array, dv_array, *blocks, amx)
         else:
             common = (*map(any_layout, (q, k, v)), transposed_panels(k, v, variant), variant,
-                      inputs.scale, stats, any_layout(do), delta)  # fmt: skip
+                      inputs.scale, stats, any_layout(do), delta, whole_rows)  # fmt: skip
             if fused:
                 grads = dq_array, dk_array, dv_array, dmask_array
                 run_parallel(attention_backward_fused, *common, *grads, *blocks)

@@ -382,9 +382,11 @@ def triton_attention_backward(
     stats: Tensor,
     grad_out: Tensor,
     grad_lse: Tensor | None = None,
+    partial_keys: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(dq, dk, dv, dmask or None) by FlashAttention-2's deterministic scheme; `grad_lse`
-    (B, Hq, L), the LSE's gradient, only shifts delta = rowsum(dO * O)."""
+    (B, Hq, L), the LSE's gradient, only shifts delta = rowsum(dO * O), which serves
+    `partial_keys` (out and stats a larger attention's) as it is."""
     q, k, v = inputs.query.detach(), inputs.key.detach(), inputs.value.detach()
     batch, q_heads, q_len, _ = q.shape
     kv_heads, kv_len = inputs.kv_heads, inputs.kv_len
