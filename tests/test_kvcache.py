@@ -442,6 +442,20 @@ def test_numba_parallel_and_serial_walks_agree(num_splits, monkeypatch):
     torch.testing.assert_close(parallel, serial, rtol=0, atol=0)
 
 
+def test_numba_step_of_one_item_runs_on_the_calling_thread(monkeypatch):
+    """One sequence in one split is one item: over PARALLEL_MIN_BYTES too, waking numba's
+    threads for it would only cost (a 2 MiB fp32 step of 256 keys had run so)."""
+    call = cache_call(torch.float32, cached=(9,), new=0)
+    numba = dispatch.registry()["numba"]
+    monkeypatch.setattr(numba_kvcache, "PARALLEL_MIN_BYTES", 0)
+    woken = []
+    monkeypatch.setattr(numba_kvcache, "run_parallel", lambda *args: woken.append(args))
+    run(numba, call, num_splits=1)
+    assert woken == []
+    run(numba, call, num_splits=2)
+    assert len(woken) == 1
+
+
 # ---------------------------------------------------------------------- int8 caches
 def quantized(call: dict, k_group: int = HEAD_DIM, v_group: int = HEAD_DIM) -> dict:
     """The same call over an int8 cache: quantize_kv's codes and scales of the float one."""

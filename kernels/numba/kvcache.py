@@ -794,13 +794,17 @@ def split_count(num_splits: int, batch: int, longest: int, threads: int) -> int:
 # 384: as 192); on the micro-kernels (Zen 4, one thread) 16-key tiles ran 1.5x slower than
 # 192 and 64 as 192. Every head's scores of the tile (8 x 4 x 192 floats) stay in L1.
 DECODE_BLOCK_N = 192
-# Below this many bytes of K and V per call, a step runs on the calling thread: at 2 MB
-# (S = 256, 8 kv heads, E = 128, fp32) both took 0.47-0.50 ms a call, at 4 MB the threads
-# 0.54 ms against 0.67 (numba's OpenMP layer, 2 threads).
-PARALLEL_MIN_BYTES = 2 << 20
-# A split's fixed cost (its partial rows, the merge) is a few microseconds: below ~256 keys
-# (64K multiply-adds per row at head dim 128) it outweighs what a second thread saves.
-MIN_SPLIT_KEYS = 256
+# Below this many bytes of K and V per call, a step runs on the calling thread, and a split
+# holds at least MIN_SPLIT_KEYS keys. One token, B = 1, E = 128, Zen 4, 2 threads, in one
+# process alternating with the former 2 MiB and 256 keys (two runs, medians of 9 blocks of
+# 100 steps): bf16 8/2 heads 1024 keys (1 MiB) 0.77-0.80x the time, bf16 32/8 heads 256
+# keys (1 MiB) 0.75-0.80x, fp32 32/8 heads 256 keys (2 MiB, then one split on two threads)
+# 0.82x; at 256-512 KiB two threads gained nothing (fp32 8/2 heads 128-256 keys 0.98-1.10x).
+PARALLEL_MIN_BYTES = 1 << 20
+# A split's fixed cost (its partial rows, the merge) is a few microseconds: below ~128 keys
+# it outweighs what a second thread saves (fp32 32/8 heads, 2 splits of 64 keys:
+# 0.89-1.04x).
+MIN_SPLIT_KEYS = 128
 
 
 @functools.cache
@@ -904,19 +908,20 @@ NO_SCALES = np.zeros((0, 0, 0, 0), np.float32)
 
 def launch_step(
     q_rows: tuple, k_pages: tuple, v_pages: tuple, head_major: bool, kind: int, scales: tuple,
-    table: np.ndarray, variant: tuple, scale: float, splits: int, parallel: bool, out: tuple,
+    table: np.ndarray, variant: tuple, scale: float, splits: int, threads: int, out: tuple,
     stats: tuple,
 ) -> None:  # fmt: skip
-    """Run kvcache_forward_splits (`parallel`) or kvcache_forward_serial over a step's
-    memory (`memory_of`'s tuples, whose tensors the caller keeps alive): q_rows (B, H, group
-    Lq, E) (`query_rows`), the pages (`_pages`), out (B, Hq, Lq, Ev) in fp32 or bf16 (written
-    rounded by merge_splits, no fp32 copy converted) and stats (B, Hq, Lq, 2). The kernel
-    reads the tensors' memory: a decoding step is short, and each numpy array made for it in
-    Python cost it ~3 us (2-4x that inside a model's step)."""
+    """Run kvcache_forward_splits on `threads` > 1 where there are two (batch, split) items
+    or more (waking numba's threads for one only costs), else kvcache_forward_serial, over
+    a step's memory (`memory_of`'s tuples, whose tensors the caller keeps alive): q_rows
+    (B, H, group Lq, E) (`query_rows`), the pages (`_pages`), out (B, Hq, Lq, Ev) in fp32
+    or bf16 (written rounded by merge_splits, no fp32 copy converted) and stats (B, Hq, Lq,
+    2). The kernel reads the tensors' memory: a decoding step is short, and each numpy
+    array made for it in Python cost it ~3 us (2-4x that inside a model's step)."""
     memory = (q_rows, k_pages, v_pages, out, stats)
     args = (memory, *scales, head_major, table, variant, scale, DECODE_BLOCK_N, kind,
             prefetches(), splits)  # fmt: skip
-    if parallel:
+    if threads > 1 and q_rows[1][0] * splits > 1:
         run_parallel(kvcache_forward_splits, *args)
     else:
         kvcache_forward_serial(*args)
@@ -940,7 +945,7 @@ def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
     launch_step(
         memory_of(rows), memory_of(k_pages), memory_of(v_pages), head_major, kind, scales,
         as_numpy(inputs.block_table.cpu()), lower_variant(inputs), inputs.scale,
-        kvcache_splits(inputs, threads), threads > 1, memory_of(out), memory_of(stats),
+        kvcache_splits(inputs, threads), threads, memory_of(out), memory_of(stats),
     )  # fmt: skip
     return out.to(inputs.dtype), stats
 
@@ -1039,7 +1044,7 @@ class KVCacheStep:
             launch_step(
                 rows, k_memory, v_memory, head_major, self.kind, (NO_SCALES, NO_SCALES),
                 self.table, with_sequences(self.variant, table), self.scale,
-                split_count(self.num_splits, batch, cache_seqlens, threads), threads > 1,
+                split_count(self.num_splits, batch, cache_seqlens, threads), threads,
                 memory_as(out, self.out_shape), stats_memory,
             )  # fmt: skip
         out = out if one_token else out.transpose(1, 2)
