@@ -921,7 +921,8 @@ def launch_step(
     memory = (q_rows, k_pages, v_pages, out, stats)
     args = (memory, *scales, head_major, table, variant, scale, DECODE_BLOCK_N, kind,
             prefetches(), splits)  # fmt: skip
-    if threads > 1 and q_rows[1][0] * splits > 1:
+    batch = q_rows[1][0]  # memory_of's (address, shape, element type)
+    if threads > 1 and batch * splits > 1:
         run_parallel(kvcache_forward_splits, *args)
     else:
         kvcache_forward_serial(*args)
