@@ -13,6 +13,7 @@ import attnperf
 from attnperf import dispatch, layouts
 from attnperf.backend import DTYPE_NAMES, Backend
 from attnperf.inputs import prepare
+from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
 GRID_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -270,6 +271,20 @@ def output_and_gradients(fn, args, grad_out, cast=None):
     out = fn(**call)
     out.backward(grad_out.to(out.dtype))
     return out, {name: leaf.grad for name, leaf in leaves.items()}
+
+
+def assert_gradients_agree(backend: str, args, grad_out):
+    """The gradients of attention(**args, backend=backend) under grad_out, each by the
+    agreement rule against float64 and PyTorch's own attention in the inputs' dtype."""
+
+    def run(**call):
+        return attnperf.attention(**call, backend=backend)
+
+    _, actual = output_and_gradients(run, args, grad_out)
+    _, exact = output_and_gradients(float64_reference, args, grad_out, cast=torch.float64)
+    _, baseline = output_and_gradients(same_precision_reference, args, grad_out)
+    for name in actual:
+        assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")
 
 
 def results_and_gradients(fn, args, cast=None, seed=1):

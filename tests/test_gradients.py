@@ -2,7 +2,13 @@
 
 import pytest
 import torch
-from cases import backend_params, device_for, output_and_gradients, torch_may_deviate
+from cases import (
+    assert_gradients_agree,
+    backend_params,
+    device_for,
+    output_and_gradients,
+    torch_may_deviate,
+)
 
 import attnperf
 from attnperf import dispatch
@@ -66,12 +72,4 @@ def test_reduced_precision_gradients_read_the_output_as_computed(backend, dtype,
             for name, rows in (("query", 1), ("key", 5), ("value", 5))}  # fmt: skip
     grad_out = torch.randn(1, 1, 1, 64, generator=gen).to(device, dtype)
     args["scale"] = scale
-
-    def run(**call):
-        return attnperf.attention(**call, backend=backend.name)
-
-    _, actual = output_and_gradients(run, args, grad_out)
-    _, exact = output_and_gradients(float64_reference, args, grad_out, cast=torch.float64)
-    _, baseline = output_and_gradients(same_precision_reference, args, grad_out)
-    for name in actual:
-        assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")
+    assert_gradients_agree(backend.name, args, grad_out)

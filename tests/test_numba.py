@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cases import CASES, VARIANT_CASES, output_and_gradients, results_and_gradients
+from cases import CASES, VARIANT_CASES, assert_gradients_agree, results_and_gradients
 
 import attnperf
 from attnperf import dispatch, plans
@@ -418,19 +418,6 @@ def test_rows_of_one_key_get_no_query_or_key_gradient(head_dim, dtype):
     assert k.grad.count_nonzero() == 0
 
 
-def assert_gradients_agree(args, grad_out):
-    """numba's gradients of attention(**args) under grad_out, by the agreement rule."""
-
-    def run(**call):
-        return attnperf.attention(**call, backend="numba")
-
-    _, actual = output_and_gradients(run, args, grad_out)
-    _, exact = output_and_gradients(float64_reference, args, grad_out, cast=torch.float64)
-    _, baseline = output_and_gradients(same_precision_reference, args, grad_out)
-    for name in actual:
-        assert_agrees(actual[name], exact[name], baseline[name], what=f"grad of {name}")
-
-
 @pytest.mark.parametrize(
     "length, causal, scale, seed", [(4, True, 3.0, 6), (4, True, 3.0, 11), (8, False, 1.0, 10)]
 )
@@ -445,7 +432,7 @@ def test_fp32_gradients_agree_at_peaked_softmaxes(length, causal, scale, seed):
             for name in ("query", "key", "value")}  # fmt: skip
     args.update(scale=scale, is_causal=causal)
     grad_out = torch.randn(1, 2, length, 100, generator=gen)
-    assert_gradients_agree(args, grad_out)
+    assert_gradients_agree("numba", args, grad_out)
 
 
 def test_sinks_gradients_agree_where_a_tile_holds_every_key():
@@ -457,7 +444,7 @@ def test_sinks_gradients_agree_where_a_tile_holds_every_key():
     args = {name: torch.randn(1, 2, 8, 16, generator=gen) for name in ("query", "key", "value")}
     args.update(sinks=torch.tensor([2.0, 0.5]), is_causal=True)
     grad_out = torch.randn(1, 2, 8, 16, generator=gen)
-    assert_gradients_agree(args, grad_out)
+    assert_gradients_agree("numba", args, grad_out)
 
 
 def test_exp2_is_within_its_stated_error_and_keeps_nan():
