@@ -272,7 +272,7 @@ def bench_summary(args: argparse.Namespace) -> int:
     cpu, threads = cpu_description(), args.threads or torch.get_num_threads()
     where = f"{cpu['cpu_model']} ({cpu['vector_isa']}), {threads} threads"
     rows = summary.summary_rows(
-        args.rounds or 3, threads, lambda text: print(text, file=sys.stderr)
+        args.rounds or summary.ROUNDS, threads, lambda text: print(text, file=sys.stderr)
     )
     print(summary.summary_markdown(rows, where))
     return 0
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--device", type=device_name, default="cpu")
     b.add_argument("--rounds", type=positive_int,
-                   help="timed rounds per point (default 3, quick 7)")  # fmt: skip
+                   help="timed rounds per point (default 3, quick and summary 7)")  # fmt: skip
     b.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     b.add_argument("--out", default="bench-report", help="report folder")
     b.add_argument("--baseline", help="a report.json to compare with (warns, never fails)")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attnperf import cli, dispatch
+from attnperf.bench import summary
 
 SCRIPT = Path(sys.executable).parent / "attnperf"
 
@@ -112,3 +113,18 @@ def test_bench_sweeps_fp32_and_bf16_by_default_each_in_its_report(tmp_path):
 )  # fmt: skip
 def test_bench_dtypes_are_asked_or_fp32_and_bf16(dtype, quick, expected):
     assert cli.bench_dtypes(argparse.Namespace(dtype=dtype, quick=quick)) == expected
+
+
+@pytest.mark.parametrize(("args", "rounds"), [([], summary.ROUNDS), (["--rounds", "2"], 2)])
+def test_bench_summary_takes_its_own_rounds_unless_asked(args, rounds, monkeypatch):
+    """`--summary` times summary.ROUNDS rounds a case (3, the sweep's default, left its short
+    point at the mercy of this VM's slow spells); --rounds still rules."""
+    asked = []
+
+    def rows(rounds, threads, on_progress):
+        asked.append(rounds)
+        return []
+
+    monkeypatch.setattr(summary, "summary_rows", rows)
+    assert cli.main(["bench", "--summary", *args]) == 0
+    assert asked == [rounds] and summary.ROUNDS > 3

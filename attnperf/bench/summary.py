@@ -32,6 +32,12 @@ SWEEP_CASES = (
      {"lengths": (4096,), "causal": (True,), "passes": ("forward",), "window": 256}),
 )  # fmt: skip
 DECODE_LENGTH = 16384
+# Timed rounds per case unless asked otherwise: each is one call after 20 ms of untimed ones,
+# and this VM's slow spells last seconds. Zen 4, 2026-12-07: the short point read 0.71x and
+# 1.07x in two runs of 3 rounds (numba 21-25 ms over 5 rounds alone, spreads 80-87%; 11.5
+# ms over 27, its time back to back) and 1.33x in one of 7, as in one process with SDPA in
+# turns (1.32-1.33x); the whole summary 1.6 -> 2.7 min.
+ROUNDS = 7
 
 
 def summary_rows(rounds: int, threads: int, on_progress: Callable[[str], None]) -> list[dict]:
