@@ -66,7 +66,7 @@ def test_fp32_forward_by_rows_agrees_with_float64_reference(case, small_tiles, m
             for name, value in case.build(torch.float32).items()}  # fmt: skip
     forward = attention.DenseForward(prepare(**args))
     if forward.kernel is not None:
-        assert forward.kernel in (attention.packed_forward, attention.packed_forward_serial)
+        assert forward.kernel in (attention.packed_forward, jit.serial(attention.packed_forward))
     actual = attnperf.attention(**args, backend="numba")
     exact, baseline = float64_reference(**args), same_precision_reference(**args)
     names = ("output", "lse")
@@ -203,6 +203,47 @@ q = torch.randn(1, 8, 256, 64)
 attnperf.attention(q, q, q, backend="numba")  # parallel: 8 query tiles
 print(torch.get_num_threads())
 """
+
+
+def _parallel_calls():
+    """A forward and backward and a decoding step, each large enough for numba's threads;
+    their results as numpy arrays."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 256, 64, generator=gen).requires_grad_() for _ in range(3))
+    out = attnperf.attention(q, k, v, is_causal=True, backend="numba")
+    out.backward(torch.randn(out.shape, generator=gen))
+    k_cache, v_cache = (torch.randn(1, 4096, 2, 64, generator=gen) for _ in range(2))
+    step = attnperf.attention_with_kvcache(torch.randn(1, 1, 8, 64, generator=gen), k_cache,
+                                           v_cache, 4096, backend="numba")  # fmt: skip
+    return [t.detach().numpy().copy() for t in (out, q.grad, k.grad, v.grad, step)]
+
+
+def _in_child(connection):
+    torch.set_num_threads(1)  # as a DataLoader worker does (torch's MKL hangs otherwise)
+    connection.send(_parallel_calls())
+
+
+def test_a_process_forked_after_parallel_kernels_runs_them():
+    """A DataLoader worker forked after a training step: GNU OpenMP's threads do not
+    survive a fork, and numba ended the child at its first parallel kernel. The child runs
+    them on its calling thread (`jit.serial`), with the parent's results."""
+    import multiprocessing
+
+    expected = _parallel_calls()
+    receive, send = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=_in_child, args=(send,))
+    child.start()
+    got = None
+    for _ in range(600):  # seconds; a child that dies sends nothing
+        if receive.poll(1):
+            got = receive.recv()
+            break
+        if not child.is_alive():
+            break
+    child.join(60)
+    assert child.exitcode == 0 and got is not None
+    for name, a, b in zip(("out", "dq", "dk", "dv", "step"), got, expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def test_the_first_parallel_kernel_leaves_torch_its_thread_count():
@@ -459,6 +500,28 @@ def test_exp2_is_within_its_stated_error_and_keeps_nan():
     fastmath.exp2_shifted(edges, 4, np.float32(0.0), np.float32(1.0))
     assert np.isnan(edges[0]) and edges[1] == 0 and edges[2] == 0
     assert edges[3] == np.float32(2.0**-126.5)  # flushed to 0 only below it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("overflow", ["scale", "query"])
+def test_overflowing_scores_give_sdpas_finite_rows(dtype, overflow):
+    """Scores of ~1e21 (scale=1e20, or q times 1e30; fp16 within its range) give SDPA's
+    rows, finite: each row's softmax is its largest key's. The scale folded into the
+    softmax's pass as one FMA had left half an ulp of ~1e21 against the row's shift, and
+    2 ** that made rows inf and NaN (fp32 tiles)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 200, 64, generator=gen).to(dtype) for _ in range(3))
+    large = dtype != torch.float16
+    call = {"scale": 1e20 if large else 1e3}
+    if overflow == "query":
+        q, call = (q.float() * (1e30 if large else 6e3)).to(dtype), {}
+    for causal in (False, True):
+        out, lse = attnperf.attention(q, k, v, is_causal=causal, return_lse=True,
+                                      backend="numba", **call)  # fmt: skip
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                    **call)  # fmt: skip
+        assert out.isfinite().all() and lse.isfinite().all()
+        torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_dense_calls_share_one_variant_tuple_per_shape_and_scalars():

@@ -27,6 +27,7 @@ from attnperf.kernels.numba.fastmath import (
     exp2_for_bf16,
     exp2_shifted,
     row_maximum,
+    scaled_minus,
     to_whole_steps,
     widen,
 )
@@ -41,6 +42,7 @@ from attnperf.kernels.numba.jit import (
     prange,
     row_view,
     run_bounds,
+    serial,
     split_index,
     strided_array,
     strided_at,
@@ -406,7 +408,7 @@ def online_softmax_to_bf16(s, factor, p16, rows, cols, acc, row_max, row_sum, sh
         row_max[r] = new_max
         total = np.float32(0.0)
         for c in range(cols):
-            p = exp2_for_bf16(s_row[c] * factor - shift[r])
+            p = exp2_for_bf16(scaled_minus(s_row[c], factor, shift[r]))
             total += p
             p16_row[c] = to_bf16(p)
         row_sum[r] = row_sum[r] * alpha + total
@@ -533,16 +535,6 @@ def packed_forward(memory, workspace, variant, scale, block_m, block_n):
 
 
 @njit(fastmath=FASTMATH)
-def packed_forward_serial(memory, workspace, variant, scale, block_m, block_n):
-    """packed_forward on the calling thread (one query tile: nothing to share)."""
-    variant = unowned_members(variant)  # held by the caller
-    q, k, v, outs, stats = forward_arrays(memory)
-    items = forward_items(variant, q.shape[1], block_m)
-    packed_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n, workspace[0],
-                         np.int64(0), items)  # fmt: skip
-
-
-@njit(fastmath=FASTMATH)
 def key_tile_width(kv_len, block_n):
     """A score tile's keys: as many as the sequence needs, in whole steps of 64 (the
     softmax's vector loops: `to_whole_steps`), up to block_n (a short call's 64 keys
@@ -634,7 +626,7 @@ def transposed_softmax_to_bf16(s_t, factor, p_t, cols, acc_t, row_max, row_sum, 
     if cols % 2:
         last, pair = s_t[cols - 1], pairs[cols // 2]
         for r in range(rows):
-            p_last = exp2_for_bf16(last[r] * factor - shift[r])
+            p_last = exp2_for_bf16(scaled_minus(last[r], factor, shift[r]))
             total[r] += p_last
             pair[r] = np.uint32(to_bf16(p_last))
     pairs[(cols + 1) // 2 :] = 0
@@ -806,16 +798,6 @@ def amx_forward(memory, workspace, variant, scale, block_m, block_n):
                           workspace[run], first, last)  # fmt: skip
 
 
-@njit(fastmath=FASTMATH)
-def amx_forward_serial(memory, workspace, variant, scale, block_m, block_n):
-    """amx_forward on the calling thread (one query tile: nothing to share)."""
-    variant = unowned_members(variant)  # held by the caller
-    q, k, v, outs, stats = forward_arrays(memory)
-    items = forward_items(variant, q.shape[1], block_m)
-    amx_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n, workspace[0],
-                      np.int64(0), items)  # fmt: skip
-
-
 # ------------------------------------------------------- the fp32 forward, transposed
 # As on AMX tiles: S^T = K Q^T on our fp32 micro-kernels, K read where it lies as A, Q^T
 # packed per query tile as B's panels; the softmax down the keys, 16 query rows a vector;
@@ -936,16 +918,6 @@ def fp32_forward(memory, workspace, variant, scale, block_m, block_n):
         first, last = run_bounds(run, runs, items)
         fp32_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n,
                            workspace[run], first, last)  # fmt: skip
-
-
-@njit(fastmath=FASTMATH)
-def fp32_forward_serial(memory, workspace, variant, scale, block_m, block_n):
-    """fp32_forward on the calling thread (one query tile: nothing to share)."""
-    variant = unowned_members(variant)  # held by the caller
-    q, k, v, outs, stats = forward_arrays(memory)
-    items = forward_items(variant, q.shape[1], block_m)
-    fp32_forward_items(q, k, v, variant, scale, outs, stats, block_m, block_n, workspace[0],
-                       np.int64(0), items)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -1593,20 +1565,20 @@ class DenseForward:
         if kind == BF16 and amx_tiles(inputs):
             size = amx_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
                                        *self.blocks, scores_by_rows(variant), apart)  # fmt: skip
-            serial, parallel = amx_forward_serial, amx_forward
+            parallel = amx_forward
         elif kind == FP32 and transposed_fp32():
             size = fp32_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
                                         *self.blocks, scores_by_rows(variant), apart)  # fmt: skip
-            serial, parallel = fp32_forward_serial, fp32_forward
+            parallel = fp32_forward
         else:
             like = U16 if kind == BF16 else F32
             size = packed_workspace_bytes(longest_in_table(variant, 4), head_dim, value_dim,
                                           *self.blocks, like)  # fmt: skip
-            serial, parallel = packed_forward_serial, packed_forward
+            parallel = packed_forward
         # A workspace row per thread (`amx_forward`, `packed_forward`).
         runs = torch.get_num_threads() if self.parallel else 1
         self.workspace = ("forward workspace", (runs, size), np.uint8)
-        self.kernel = parallel if self.parallel else serial
+        self.kernel = parallel if self.parallel else serial(parallel)
 
     def __call__(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor, Tensor | None]:
         operand = bf16_operand if self.kind == BF16 else fp32_operand

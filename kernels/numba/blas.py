@@ -149,9 +149,9 @@ def setup() -> tuple[str, object]:
     its OpenMP layer where it loads: its "workqueue" pool cost ~90 us a parallel region
     and 15% of a long one's speed (a layer of projections around
     causal attention, L = 1024, 2 cores: 27.9 ms on omp, 37.6-41.0 ms on workqueue; SDPA
-    29.0-32.9 ms). GNU OpenMP is not fork-safe: a process forked after a call cannot run
-    numba's parallel kernels (numba ends it with a message). A layer chosen by the user
-    (NUMBA_THREADING_LAYER) is respected.
+    29.0-32.9 ms). GNU OpenMP is not fork-safe: a process forked after a parallel kernel
+    runs the kernels on its calling thread (`launch.run_parallel`). A layer chosen by the
+    user (NUMBA_THREADING_LAYER) is respected.
     """
     choice = os.environ.get("ATTNPERF_NUMBA_BLAS", "auto")
     if choice not in BLAS_CHOICES:

@@ -68,6 +68,27 @@ def maxnum(typingctx, a, b):
     return sig, codegen
 
 
+# Fast-math flags without "contract", for an instruction that must stay unfused: numba's
+# fastmath pass gives its flags (contraction among them) to every float instruction that
+# has none.
+NO_CONTRACT = ("nsz",)
+
+
+@intrinsic
+def scaled_minus(typingctx, score, factor, shift):
+    """factor * score - shift in float32 with the product rounded first: never contracted
+    into one FMA, whose exact product would leave up to half an ulp of it against a shift
+    that is a rounded product, 2 ** 47 at scores of 1e21."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        score, factor, shift = args
+        product = builder.fmul(score, factor, flags=NO_CONTRACT)
+        return builder.fsub(product, shift, flags=NO_CONTRACT)
+
+    return sig, codegen
+
+
 @njit(fastmath=FASTMATH)
 def row_maximum(row, cols, start):
     """max(start, row[:cols]); NaN scores are passed over (their exp2 makes the row NaN)."""

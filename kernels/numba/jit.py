@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import types as pytypes
+
 import numpy as np
 
 try:
@@ -29,6 +32,23 @@ def njit(**options):
     if numba is None:
         return lambda function: function
     return numba.njit(cache=True, nogil=True, error_model="numpy", **options)
+
+
+@functools.cache
+def serial(kernel):
+    """A parallel kernel (an njit of `prange` loops) compiled without `parallel`: its
+    prange loops run as plain loops on the calling thread, never entering numba's
+    threading layer. For calls too small to wake the threads, and for a process forked
+    after the layer started (GNU OpenMP's threads do not survive a fork; numba ends such a
+    child at its first parallel region). Its own name, so its own cache files: numba names
+    them by the function's qualified name and line, not by its options."""
+    function = kernel.py_func
+    twin = pytypes.FunctionType(function.__code__, function.__globals__,
+                                f"{function.__name__}_serial", function.__defaults__,
+                                function.__closure__)  # fmt: skip
+    twin.__qualname__ = f"{function.__qualname__}_serial"
+    twin.__module__, twin.__doc__ = function.__module__, function.__doc__
+    return njit(fastmath=kernel.targetoptions.get("fastmath", False))(twin)
 
 
 prange = numba.prange if numba is not None else range

@@ -40,6 +40,7 @@ from attnperf.kernels.numba.jit import (
     njit,
     prange,
     prefetch_line,
+    serial,
     split_index,
     types,
     unowned,
@@ -746,26 +747,6 @@ def kvcache_forward_splits(
     merge_splits(partial_out, partial_stats, variant, out, stats)
 
 
-@njit(fastmath=FASTMATH)
-def kvcache_forward_serial(
-    memory, k_scales, v_scales, head_major, block_table, variant, scale, block_n, kind,
-    prefetch, splits,
-):  # fmt: skip
-    """kvcache_forward_splits on the calling thread: for steps too small to pay for waking
-    numba's threads (see PARALLEL_MIN_BYTES)."""
-    variant = unowned_members(variant)  # held by the caller
-    q_rows, k_pages, v_pages, out, stats = kvcache_arrays(memory)
-    partial_out = np.empty((splits, *out.shape), np.float32)
-    partial_stats = np.empty((splits, *stats.shape), np.float32)
-    for item in range(q_rows.shape[0] * splits):
-        b, _, split = split_index(item, 1, splits)
-        kvcache_split(
-            q_rows, k_pages, v_pages, k_scales, v_scales, head_major, block_table, variant,
-            scale, block_n, kind, prefetch, partial_out, partial_stats, b, split,
-        )  # fmt: skip
-    merge_splits(partial_out, partial_stats, variant, out, stats)
-
-
 def step_threads(kv_bytes: int) -> int:
     """The threads a step of `kv_bytes` of K and V runs on: torch's count from
     PARALLEL_MIN_BYTES on, else 1 (the calling thread)."""
@@ -912,7 +893,7 @@ def launch_step(
     stats: tuple,
 ) -> None:  # fmt: skip
     """Run kvcache_forward_splits on `threads` > 1 where there are two (batch, split) items
-    or more (waking numba's threads for one only costs), else kvcache_forward_serial, over
+    or more (waking numba's threads for one only costs), else on the calling thread, over
     a step's memory (`memory_of`'s tuples, whose tensors the caller keeps alive): q_rows
     (B, H, group Lq, E) (`query_rows`), the pages (`_pages`), out (B, Hq, Lq, Ev) in fp32
     or bf16 (written rounded by merge_splits, no fp32 copy converted) and stats (B, Hq, Lq,
@@ -925,7 +906,7 @@ def launch_step(
     if threads > 1 and batch * splits > 1:
         run_parallel(kvcache_forward_splits, *args)
     else:
-        kvcache_forward_serial(*args)
+        serial(kvcache_forward_splits)(*args)
 
 
 def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 import sys
 import threading
 import weakref
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from attnperf.kernels.numba.blas import setup
-from attnperf.kernels.numba.jit import numba
+from attnperf.kernels.numba.jit import numba, serial
 
 
 def as_numpy(tensor: Tensor) -> np.ndarray:
@@ -34,9 +35,39 @@ _PARALLEL_REGION = threading.Lock()
 _NUMBA_THREADS = threading.local()
 
 
+class _Forked:
+    """Whether this process was forked from one whose numba threads had started: GNU
+    OpenMP's threads do not survive a fork, and numba ends such a child at its first
+    parallel region ("fork() called from a process already using GNU OpenMP"). torch runs
+    single-threaded there; so do the kernels (a DataLoader worker forked after a step)."""
+
+    after_parallel = False
+
+
+_FORKED = _Forked()
+
+
+@functools.cache
+def _watch_forks() -> None:
+    """Marks the children forked from now on (once per process, at its first parallel
+    kernel: a fork before it leaves the child free to start threads of its own)."""
+
+    def in_child() -> None:
+        global _PARALLEL_REGION
+        _FORKED.after_parallel = True
+        _PARALLEL_REGION = threading.Lock()  # another thread may have held it at the fork
+
+    os.register_at_fork(after_in_child=in_child)
+
+
 def run_parallel(kernel, *args) -> None:
-    """Run a prange kernel on torch's thread count, BLAS on one thread inside it."""
+    """Run a prange kernel on torch's thread count, BLAS on one thread inside it; in a
+    process forked after the threads started, on its calling thread (`jit.serial`)."""
     _, controller = setup()
+    if _FORKED.after_parallel:
+        serial(kernel)(*args)
+        return
+    _watch_forks()
     pinned = controller.limit(limits=1, user_api="blas") if controller else nullcontext()
     with _PARALLEL_REGION, pinned:
         threads = torch.get_num_threads()

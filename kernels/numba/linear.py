@@ -39,6 +39,7 @@ from attnperf.kernels.numba.jit import (
     prange,
     prefetch_line,
     run_bounds,
+    serial,
     wide_vectors,
 )
 from attnperf.kernels.numba.launch import (
@@ -811,18 +812,6 @@ def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gat
                            final, item // heads, item % heads, scratch)  # fmt: skip
 
 
-@njit(fastmath=FASTMATH)
-def linear_forward_recurrent_serial(q, k, v, g, beta, h0, sequences, scale, l2norm, gated,
-                                    delta, out, final):  # fmt: skip
-    """recurrent_item of every (sequence, value head) on the calling thread: for steps too
-    small to pay for waking numba's threads (see PARALLEL_MIN_BYTES)."""
-    heads = v.shape[2]
-    scratch = recurrent_scratch(k.shape[3], v.shape[3])
-    for item in range(sequences.shape[0] * heads):
-        recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out, final,
-                       item // heads, item % heads, scratch)  # fmt: skip
-
-
 # ---------------------------------------------------------------------------- launchers
 def contiguous_fp32(tensor: Tensor | None, empty_shape: tuple[int, ...]) -> np.ndarray:
     """A C-contiguous fp32 array of `tensor` (a view when it is one already), or an empty
@@ -903,7 +892,7 @@ def numba_linear_forward(
         if runs and math.prod(inputs.state_shape) * 4 >= PARALLEL_MIN_BYTES:
             run_parallel(linear_forward_recurrent, *args, torch.get_num_threads())
         elif runs:
-            linear_forward_recurrent_serial(*args)
+            serial(linear_forward_recurrent)(*args, 1)
         return out.to(inputs.dtype), final, ()
     firsts, chunks = chunk_firsts(inputs)
     kept_bytes = 4 * sum(math.prod(shape) for shape in _kept_shapes(inputs, chunks))

@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 from attnperf.kernels.numba.amx import AMX_PEAK_FLOPS_PER_ROUND, amx_peak_loop, amx_permitted
-from attnperf.kernels.numba.fastmath import EXP2_BF16_COEFFS, EXP2_COEFFS
+from attnperf.kernels.numba.fastmath import EXP2_BF16_COEFFS, EXP2_COEFFS, NO_CONTRACT
 from attnperf.kernels.numba.jit import (
     FASTMATH,
     cgutils,
@@ -888,6 +888,16 @@ def _exp2_vector(builder, t, coefficients):
     return builder.select(below, ir.Constant(f32x16, [0.0] * LANES), scaled)
 
 
+def _scaled_minus(builder, scores, factors, shifts):
+    """factor s - shift with the product rounded first, never one FMA: the shift is a
+    rounded product (the row's largest factor s), so the row's largest score gets exactly 0
+    and no other one more. Fused, the product's exact value leaves up to half an ulp of it
+    against the shift: 2 ** 47 at scores of 1e21 (scale=1e20), whose exp2 was inf (and the
+    row NaN) or 0 for the row's largest key. `NO_CONTRACT`: see fastmath.scaled_minus."""
+    product = builder.fmul(scores, factors, flags=NO_CONTRACT)
+    return builder.fsub(product, shifts, flags=NO_CONTRACT)
+
+
 @intrinsic
 def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at, total):
     """Softmax probabilities of 16 query rows for two keys, explicitly on 16-lane vectors:
@@ -914,16 +924,14 @@ def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at
             return _vector_at(context, builder, array_type, array, offset, vector_type)
 
         arg_types = signature.args
-        fma = _function(builder, "llvm.fma.v16f32", f32x16, [f32x16] * 3)
         to_pairs = _function(builder, "llvm.x86.avx512bf16.cvtne2ps2bf16.512",
                              ir.VectorType(_BFloat(), 2 * LANES), [f32x16, f32x16])  # fmt: skip
         shifts = builder.load(vector_at(arg_types[3], shift, row, f32x16), align=4)
-        minus_shift = builder.fneg(shifts)
         factors = _splat(builder, factor, f32x16)
         probabilities = []
         for offset in (at, builder.add(at, stride)):
             scores = builder.load(vector_at(arg_types[0], s_t, offset, f32x16), align=4)
-            t = builder.call(fma, [scores, factors, minus_shift])
+            t = _scaled_minus(builder, scores, factors, shifts)
             probabilities.append(_exp2_vector(builder, t, EXP2_BF16_COEFFS))
         even, odd = probabilities
         sums = vector_at(arg_types[8], total, row, f32x16)
@@ -956,7 +964,6 @@ def exp2_columns(typingctx, s_t, cols, row, shift, factor, total):
             return context.get_dummy_value()
         s_t, cols, row, shift, factor, total = args
         f32x16 = ir.VectorType(ir.FloatType(), LANES)
-        fma = _function(builder, "llvm.fma.v16f32", f32x16, [f32x16] * 3)
         arg_types = signature.args
 
         def vector_at(array_type, array, offset):
@@ -965,14 +972,14 @@ def exp2_columns(typingctx, s_t, cols, row, shift, factor, total):
         scores = context.make_array(arg_types[0])(context, builder, s_t)
         stride = cgutils.unpack_tuple(builder, scores.shape)[1]  # elements a key
         origin = builder.gep(scores.data, [row])
-        minus_shift = builder.fneg(builder.load(vector_at(arg_types[3], shift, row), align=4))
+        shifts = builder.load(vector_at(arg_types[3], shift, row), align=4)
         factors = _splat(builder, factor, f32x16)
         sums = vector_at(arg_types[5], total, row)
         running = cgutils.alloca_once_value(builder, builder.load(sums, align=4))
         with cgutils.for_range(builder, cols) as loop:
             at = builder.bitcast(builder.gep(origin, [builder.mul(loop.index, stride)]),
                                  f32x16.as_pointer())  # fmt: skip
-            t = builder.call(fma, [builder.load(at, align=4), factors, minus_shift])
+            t = _scaled_minus(builder, builder.load(at, align=4), factors, shifts)
             p = _exp2_vector(builder, t, EXP2_COEFFS)
             builder.store(p, at, align=4)
             builder.store(builder.fadd(builder.load(running), p), running)
