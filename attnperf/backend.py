@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -54,12 +55,34 @@ class Capabilities:
             raise ValueError(f"unknown features {sorted(unknown)}; known: {list(FEATURES)}")
 
 
+# Variants that SDPA's kernels serve only under an L x S mask built per call, where a fused
+# kernel skips what is masked: window, ALiBi, block masks, sinks (an extra key column
+# under such a mask); packed and KV-cache calls, which sdpa pads to a batch under a mask
+# (but a decoding step that sees its whole cache: `built_mask`). Figures in
+# benches/README.md ("Variants", "Sinks", "Serving").
+BUILT_MASK_FEATURES = frozenset({"window", "alibi", "block_mask", "varlen", "kvcache", "sinks"})
+
+
+def built_mask(inputs: AttentionInputs | KVCacheInputs) -> bool:
+    """Whether SDPA's kernels would serve this call only under a mask built for it."""
+    if isinstance(inputs, KVCacheInputs) and inputs.sees_whole_cache:
+        return False
+    return bool(inputs.features() & BUILT_MASK_FEATURES)
+
+
 class Backend:
-    """A named attention implementation; subclasses set `name`, `capabilities`, `run`."""
+    """A named attention implementation; subclasses set `name`, `capabilities`, `run`, and
+    where "auto" tries it: `rank` per device, lower first, and `leads` for the calls it
+    goes first for. A device it does not rank: never tried by "auto"."""
 
     name: str
     description: str
     capabilities: Capabilities
+    rank: ClassVar[Mapping[str, int]] = {}
+
+    def leads(self, inputs: AttentionInputs | KVCacheInputs | LinearAttentionInputs) -> bool:
+        """Whether "auto" tries this backend before the ranked order for this call."""
+        return False
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run at all on this machine (missing package, no GPU), or None."""

@@ -329,6 +329,16 @@ class KVCacheInputs:
         return self.kv_heads * (self.head_dim + self.value_dim) * self.k_pages.element_size()
 
     @property
+    def sees_whole_cache(self) -> bool:
+        """Whether every query row attends to all of its sequence's keys, unbiased: one
+        token (bottom-right causal sees the whole cache) or no causality; no window, ALiBi
+        or sinks. SDPA then serves the step exactly with no mask (the group's query heads
+        packed as rows)."""
+        variant = self.variant
+        plain = variant.window is None and variant.alibi_slopes is None and variant.sinks is None
+        return plain and (self.q_len == 1 or not self.is_causal)
+
+    @property
     def needs_grad(self) -> bool:
         tensors = (self.query, self.k_pages, self.v_pages, self.k_new, self.v_new,
                    self.variant.sinks)  # fmt: skip

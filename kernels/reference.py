@@ -151,6 +151,7 @@ class ReferenceBackend(Backend):
         # attention_with_kvcache is not for.
         features=frozenset(FEATURES) - {"kvcache_backward"},
     )
+    rank = {"cpu": 2, "cuda": 2}  # noqa: RUF012 (the last resort)
 
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
         if inputs.variant.sequences is not None:

@@ -31,6 +31,7 @@ class SdpaBackend(Backend):
         features=frozenset(FEATURES)
         - {"softcap", "lse", "kvcache_backward", "kvcache_int8", "linear", "linear_backward"},
     )
+    rank = {"cpu": 0, "cuda": 0}  # noqa: RUF012 (the peer: first unless a kernel leads)
 
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, None]:
         if inputs.variant.sequences is not None:
@@ -75,7 +76,7 @@ class SdpaBackend(Backend):
         """Rows that see their whole cache: the group packed as rows (`_kvcache_rows`).
         Otherwise the cache gathered to (B, H, max S, E) (a view of a contiguous cache
         without left padding) under a mask."""
-        if sees_whole_cache(inputs):
+        if inputs.sees_whole_cache:
             return _kvcache_rows(inputs), None
         table = inputs.sequences.table.to(inputs.device)
         starts, longest = table[:, 3], inputs.sequences.max_kv_len
@@ -93,7 +94,7 @@ class SdpaBackend(Backend):
     def kvcache_step(self, inputs: KVCacheInputs) -> SdpaKVCacheStep | None:
         """A step launcher (`SdpaKVCacheStep`) where the call's rows see their whole cache,
         else None."""
-        return SdpaKVCacheStep(inputs) if sees_whole_cache(inputs) else None
+        return SdpaKVCacheStep(inputs) if inputs.sees_whole_cache else None
 
 
 class SdpaKVCacheStep:
@@ -133,14 +134,6 @@ class SdpaKVCacheStep:
         if q_len == 1:  # (B, H, group, Ev) is (B, 1, Hq, Ev)
             return out.reshape(batch, 1, q_heads, value_dim)
         return out.reshape(self.out_shape).transpose(1, 2)
-
-
-def sees_whole_cache(inputs: KVCacheInputs) -> bool:
-    """Whether every query row attends to all of its sequence's keys, unbiased: one token
-    (bottom-right causal sees the whole cache) or no causality; no window, no ALiBi."""
-    variant = inputs.variant
-    plain = variant.window is None and variant.alibi_slopes is None and variant.sinks is None
-    return plain and (inputs.q_len == 1 or not inputs.is_causal)
 
 
 def _kvcache_rows(inputs: KVCacheInputs) -> Tensor:

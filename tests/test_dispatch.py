@@ -1,5 +1,6 @@
 """What "auto" picks, and how refusals are reported."""
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 import attnperf
 from attnperf import dispatch
-from attnperf.backend import Backend
+from attnperf.backend import Backend, built_mask
 from attnperf.inputs import prepare
 from attnperf.kernels.reference import BACKEND as REFERENCE
 from attnperf.serving import prepare_kvcache, prepare_varlen
@@ -31,8 +32,9 @@ class FakeBackend(Backend):
 @pytest.fixture
 def fake_registry(monkeypatch):
     def install(*backends):
+        for place, backend in enumerate(backends):  # "auto" tries them in this order
+            backend.rank = {"cpu": place}
         monkeypatch.setattr(dispatch, "registry", lambda: {b.name: b for b in backends})
-        monkeypatch.setitem(dispatch.PRIORITY, "cpu", tuple(b.name for b in backends))
 
     return install
 
@@ -75,8 +77,22 @@ def test_declared_capabilities_refuse_with_reasons():
 
 def test_auto_on_cpu_picks_an_available_backend_from_the_priority_list():
     name = attnperf.choose_backend(*qkv())
-    assert name in dispatch.PRIORITY["cpu"]
+    assert name in dispatch.priority(prepare(*qkv()))
     assert dispatch.registry()[name].unavailable_reason() is None
+
+
+def test_a_backend_that_leads_a_call_goes_first_whatever_its_rank(fake_registry):
+    """The policy names no backend: a new one is tried where it declares itself."""
+
+    class Leader(FakeBackend):
+        def leads(self, inputs):
+            return inputs.is_causal
+
+    fake_registry(FakeBackend("peer"), FakeBackend("other"), Leader("leader"))
+    q, k, v = qkv()
+    assert dispatch.priority(prepare(q, k, v)) == ("peer", "other", "leader")
+    assert dispatch.priority(prepare(q, k, v, is_causal=True)) == ("leader", "peer", "other")
+    assert attnperf.choose_backend(q, k, v, is_causal=True) == "leader"
 
 
 def test_auto_with_dropout_picks_a_backend_declaring_dropout():
@@ -128,4 +144,15 @@ def cuda_cases():
 @pytest.mark.parametrize("case", cuda_cases().keys())
 def test_on_cuda_sdpa_goes_first_unless_it_would_need_a_mask(case):
     inputs, triton_first = cuda_cases()[case]
-    assert dispatch.triton_leads_on_cuda(inputs) == triton_first
+    assert built_mask(inputs) == triton_first
+    assert dispatch.registry()["triton"].leads(as_if_on_cuda(inputs)) == triton_first
+    assert not dispatch.registry()["triton"].leads(inputs)  # on the CPU: never first
+
+
+def as_if_on_cuda(inputs):
+    """The same call, its device read as CUDA (what `leads` reads of it besides its
+    features)."""
+    on_cuda = type("OnCuda", (type(inputs),), {"device": property(lambda _: torch.device("cuda"))})
+    moved = copy.copy(inputs)
+    object.__setattr__(moved, "__class__", on_cuda)
+    return moved

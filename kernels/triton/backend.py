@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from attnperf.backend import FEATURES, Capabilities, FusedBackend
+from attnperf.backend import FEATURES, Capabilities, FusedBackend, built_mask
+from attnperf.inputs import AttentionInputs
 from attnperf.kernels.triton.attention import triton_attention_backward, triton_attention_forward
 from attnperf.kernels.triton.jit import INTERPRET, MAX_HEAD_DIM, MISSING
 from attnperf.kernels.triton.kvcache import triton_kvcache_forward
 from attnperf.kernels.triton.linear import triton_linear_backward, triton_linear_forward
+from attnperf.linear_inputs import LinearAttentionInputs
+from attnperf.serving import KVCacheInputs
 
 
 class TritonBackend(FusedBackend):
@@ -20,6 +23,9 @@ class TritonBackend(FusedBackend):
         max_head_dim=MAX_HEAD_DIM,
         features=frozenset(FEATURES) - {"dropout", "kvcache_backward", "func_grad"},
     )
+    # After sdpa on CUDA: SDPA's own kernels beat it on the calls they serve as they are
+    # (benches/README.md, "GPU"). Never tried by "auto" on the CPU (the interpreter).
+    rank = {"cuda": 1}  # noqa: RUF012
 
     forward = staticmethod(triton_attention_forward)
     backward = staticmethod(triton_attention_backward)
@@ -36,6 +42,14 @@ class TritonBackend(FusedBackend):
                 "used, runs them on CPU through Triton's interpreter)"
             )
         return None
+
+    def leads(self, inputs: AttentionInputs | KVCacheInputs | LinearAttentionInputs) -> bool:
+        """First on CUDA for linear attention and for calls that sdpa would serve under a
+        mask built for them (a packed batch of 16 causal sequences ran at 10x SDPA's padded
+        batch)."""
+        if inputs.device.type != "cuda":
+            return False
+        return isinstance(inputs, LinearAttentionInputs) or built_mask(inputs)
 
 
 BACKEND = TritonBackend()
