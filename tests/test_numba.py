@@ -525,7 +525,7 @@ def test_overflowing_scores_give_sdpas_finite_rows(dtype, overflow):
 
 
 def test_dense_calls_share_one_variant_tuple_per_shape_and_scalars():
-    """The variant tuple of a dense call is made once per (shape, band, softcap, threads):
+    """The lowered variant of a dense call is made once per (shape, band, softcap, threads):
     the same object for an equal call, another for any difference; calls with tensors in
     their variant (a mask) get their own each time."""
     q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))

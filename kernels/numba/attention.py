@@ -86,6 +86,7 @@ from attnperf.kernels.numba.tiles import OWN_TILES, product, tiles_flag
 from attnperf.kernels.numba.variant import (
     MASKED,
     SKIP,
+    LoweredVariant,
     adds_mask_values,
     changes_values,
     key_tiles,
@@ -149,10 +150,10 @@ def online_softmax_tiles(
     i0 + rows - 1 (q_tile) of head h, over the key tiles they see of k, v (S, E)."""
     no_dtanh = np.empty((0, 0), np.float32)
     for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
-        product(q_tile, k[j0 : j0 + cols], s[:, :cols], scale2, 0.0, False, True, variant[13])
+        product(q_tile, k[j0 : j0 + cols], s[:, :cols], scale2, 0.0, False, True, variant.tiles)
         modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, no_dtanh)
         online_softmax_rescale(s, rows, cols, acc, row_max, row_sum, shift)
-        product(s[:, :cols], v[j0 : j0 + cols], acc, 1.0, 1.0, False, False, variant[13])
+        product(s[:, :cols], v[j0 : j0 + cols], acc, 1.0, 1.0, False, False, variant.tiles)
 
 
 @njit()
@@ -182,7 +183,7 @@ def tile_and_head(variant, q_heads, kv_heads, block_m, item):
 @njit(fastmath=FASTMATH)
 def forward_items(variant, q_heads, block_m):
     """The forward's work items: (sequence, query head, query tile) triples."""
-    return variant[4].shape[0] * q_heads * ((longest(variant, 2) + block_m - 1) // block_m)
+    return variant.sequences.shape[0] * q_heads * ((longest(variant, 2) + block_m - 1) // block_m)
 
 
 @njit(fastmath=FASTMATH)
@@ -253,7 +254,7 @@ def forward_arrays(memory):
 def online_softmax_forward(memory, variant, scale, block_m, block_n):
     """out (B, Hq, L, Ev) and stats (B, Hq, L, 2): each row's base-2 max and its sum of
     2 ** (score - max), the sink's term included; fp32 q, k, v with unit stride along E."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     q, k, v, outs, stats = forward_arrays(memory)
     q_heads, kv_heads, value_dim = q.shape[1], k.shape[1], v.shape[3]
     group = q_heads // kv_heads
@@ -524,7 +525,7 @@ def packed_forward(memory, workspace, variant, scale, block_m, block_n):
     consecutive ones, one per thread (as prange would share them), each in its own
     workspace row, with no allocation nor a packing pass of its own
     (`packed_forward_items`)."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     q, k, v, outs, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
@@ -716,7 +717,7 @@ def amx_query_tile(q, k, k_at, values, variant, scale, outs, stats, block_m, blo
 def scores_by_rows(variant):
     """Whether `modify_transposed_scores` takes a tile's scores by rows (a block layout),
     into a buffer of its own."""
-    return variant[10] != 0
+    return variant.block_q != 0
 
 
 @njit(fastmath=FASTMATH)
@@ -788,7 +789,7 @@ def amx_forward(memory, workspace, variant, scale, block_m, block_n):
     transposed: the items shared out in workspace.shape[0] runs of consecutive ones, one
     per thread (as prange would share them), each run in its own workspace row, with no
     allocation nor a packing pass of its own (`amx_forward_items`)."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     q, k, v, outs, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
@@ -910,7 +911,7 @@ def fp32_forward(memory, workspace, variant, scale, block_m, block_n):
     """`packed_forward` for fp32 with the scores transposed (AVX-512: `column_maxima`): the
     items shared out in workspace.shape[0] runs of consecutive ones, one per thread, each
     in its own workspace row (`fp32_forward_items`)."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     q, k, v, outs, stats = forward_arrays(memory)
     items = forward_items(variant, q.shape[1], block_m)
     runs = workspace.shape[0]
@@ -939,10 +940,10 @@ def product_with_transposed(a, x_tile, panels, b, hk, j0, out, alpha, tiles):
 def pack_panels(x_any, variant, panels):
     """panels (NS, Hk, S16, E, 16) <- each sequence's keys (or values) of x, per kv head, as
     `pack_key_panels`: x^T for the micro-kernels, a sequence starting at a panel."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     x = x_any[0]  # launch.any_layout's view
     kv_heads = x.shape[1]
-    for item in prange(variant[4].shape[0] * kv_heads):
+    for item in prange(variant.sequences.shape[0] * kv_heads):
         b, hk, _ = split_index(item, kv_heads, 1)
         slot, _, _, k0, kv_len = sequence(variant, b)
         pack_key_panels(x[slot, hk, k0 : k0 + kv_len], panels[b, hk])
@@ -960,7 +961,7 @@ def probabilities(q_tile, k_tile, p, dtanh, variant, b, h, i0, j0, structure, sc
     """
     rows, cols = q_tile.shape[0], k_tile.shape[0]
     product_with_transposed(q_tile, k_tile, key_panels, b, hk, j0, p[:rows, :cols], scale2,
-                            variant[13])  # fmt: skip
+                            variant.tiles)  # fmt: skip
     scores_to_probabilities(p, dtanh, variant, b, h, i0, j0, rows, cols, structure, stats)
 
 
@@ -1023,7 +1024,7 @@ def attention_backward_dq(
 ):  # fmt: skip
     """dq += (and the float mask's gradient dS into dmask, unless it is empty) per query
     tile (`whole_rows` as `score_gradients`')."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     # launch.any_layout's views:
     q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]
     q_heads, kv_heads = q.shape[1], k.shape[1]
@@ -1031,8 +1032,8 @@ def attention_backward_dq(
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     scale2 = scale * LOG2E
     want_dmask = dmask.shape[0] > 0
-    softcapped = variant[5] != 0
-    for item in prange(variant[4].shape[0] * q_heads * q_tiles):
+    softcapped = variant.softcap2 != 0
+    for item in prange(variant.sequences.shape[0] * q_heads * q_tiles):
         b, h, tile = split_index(item, q_heads, q_tiles)
         slot, q0, q_len, k0, kv_len = sequence(variant, b)
         hk = h // group
@@ -1053,7 +1054,7 @@ def attention_backward_dq(
                 q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
                 stats[slot, h, q0 : q0 + q_len], panels[0], hk,
             )  # fmt: skip
-            product_with_transposed(do_tile, v_tile, panels[1], b, hk, j0, ds, 1.0, variant[13])
+            product_with_transposed(do_tile, v_tile, panels[1], b, hk, j0, ds, 1.0, variant.tiles)
             score_gradients(
                 p_buffer, ds_buffer, delta[slot, h, q0 + i0 : q0 + i0 + rows], whole_rows, rows,
                 cols,
@@ -1070,7 +1071,7 @@ def attention_backward_dq(
                 1.0,
                 False,
                 False,
-                variant[13],
+                variant.tiles,
             )
 
 
@@ -1086,7 +1087,7 @@ def key_tile_gradients(
     """
     group = q.shape[1] // k.shape[1]
     scale2 = scale * LOG2E
-    softcapped = variant[5] != 0
+    softcapped = variant.softcap2 != 0
     want_dmask = with_dq and dmask.shape[0] > 0
     slot, q0, q_len, k0, _ = sequence(variant, b)
     keys = slice(k0 + j0, k0 + j0 + cols)
@@ -1106,16 +1107,16 @@ def key_tile_gradients(
                 q_tile, k_tile, p_buffer, dtanh, variant, b, h, i0, j0, structure, scale2,
                 stats[slot, h, q0 : q0 + q_len], panels[0], hk,
             )  # fmt: skip
-            product(p, do_tile, dv_tile, 1.0, 1.0, True, False, variant[13])
-            product_with_transposed(do_tile, v_tile, panels[1], b, hk, j0, ds, 1.0, variant[13])
+            product(p, do_tile, dv_tile, 1.0, 1.0, True, False, variant.tiles)
+            product_with_transposed(do_tile, v_tile, panels[1], b, hk, j0, ds, 1.0, variant.tiles)
             score_gradients(p_buffer, ds_buffer, delta[slot, h, queries], whole_rows, rows, cols)
             if want_dmask:  # plain calls only: slot b, no row offsets
                 dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds
             if softcapped:
                 through_softcap(ds_buffer, dtanh, rows, cols)
-            product(ds, q_tile, dk_tile, scale, 1.0, True, False, variant[13])
+            product(ds, q_tile, dk_tile, scale, 1.0, True, False, variant.tiles)
             if with_dq:
-                product(ds, k_tile, dq[slot, h, queries], scale, 1.0, False, False, variant[13])
+                product(ds, k_tile, dq[slot, h, queries], scale, 1.0, False, False, variant.tiles)
 
 
 @njit(parallel=True, fastmath=FASTMATH)
@@ -1124,17 +1125,17 @@ def attention_backward_dkdv(
     block_m, block_n,
 ):  # fmt: skip
     """dk, dv += per key tile, summed over every query head of the key/value head's group."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     # launch.any_layout's views:
     q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]
     kv_heads = k.shape[1]
     kv_tiles = (longest(variant, 4) + block_n - 1) // block_n
     unused = np.zeros((0, 0, 0, 0), np.float32)
-    softcapped = variant[5] != 0
-    for item in prange(variant[4].shape[0] * kv_heads * kv_tiles):
+    softcapped = variant.softcap2 != 0
+    for item in prange(variant.sequences.shape[0] * kv_heads * kv_tiles):
         b, hk, tile = split_index(item, kv_heads, kv_tiles)
         j0 = tile * block_n
-        cols = min(block_n, variant[4][b, 4] - j0)
+        cols = min(block_n, variant.sequences[b, 4] - j0)
         if cols <= 0:  # past this sequence's end
             continue
         p_buffer = np.empty((block_m, cols), np.float32)
@@ -1156,14 +1157,14 @@ def attention_backward_fused(
     One prange item per (batch, key/value head) owns every query head of its group, so its
     dq updates need no atomics; worth it when there are enough items for the threads.
     """
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     # launch.any_layout's views:
     q, k, v, grad_out = q_any[0], k_any[0], v_any[0], grad_out_any[0]
     kv_heads = k.shape[1]
-    softcapped = variant[5] != 0
-    for item in prange(variant[4].shape[0] * kv_heads):
+    softcapped = variant.softcap2 != 0
+    for item in prange(variant.sequences.shape[0] * kv_heads):
         b, hk, _ = split_index(item, kv_heads, 1)
-        kv_len = variant[4][b, 4]
+        kv_len = variant.sequences[b, 4]
         p_buffer = np.empty((block_m, block_n), np.float32)
         ds_buffer = np.empty((block_m, block_n), np.float32)
         dtanh = np.empty((block_m if softcapped else 0, block_n), np.float32)
@@ -1227,18 +1228,18 @@ def pack_bf16_backward(q_any, k_any, v_any, do_any, variant, operands):
     in panels (S = Q K^T, dP = dO V^T; `pack_key_panels`), K in pairs of keys (dQ = dS K;
     `pack_vnni`), Q and dO transposed (NS, Hq, E, L + 1: the A operands of dK^T and dV^T,
     zeros past the rows for an odd last pair)."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     q, k, v, do = q_any[0], k_any[0], v_any[0], do_any[0]  # launch.any_layout's views
     key_panels, value_panels, key_pairs, q_t, do_t = operands
     kv_heads, q_heads = k.shape[1], q.shape[1]
-    for item in prange(variant[4].shape[0] * kv_heads):
+    for item in prange(variant.sequences.shape[0] * kv_heads):
         b, hk, _ = split_index(item, kv_heads, 1)
         slot, _, _, k0, kv_len = sequence(variant, b)
         keys = slice(k0, k0 + kv_len)
         pack_key_panels(k[slot, hk, keys], key_panels[b, hk])
         pack_key_panels(v[slot, hk, keys], value_panels[b, hk])
         pack_vnni(k[slot, hk, keys], key_pairs[b, hk])
-    for item in prange(variant[4].shape[0] * q_heads):
+    for item in prange(variant.sequences.shape[0] * q_heads):
         b, h, _ = split_index(item, q_heads, 1)
         slot, q0, q_len, _, _ = sequence(variant, b)
         transpose_rows(q[slot, h, q0 : q0 + q_len], q_t[b, h])
@@ -1274,7 +1275,7 @@ def bf16_score_gradients(q, grad_out, operands, variant, scale2, stats, delta, d
     score_gradients(p, ds, delta[slot, h, q0 + i0 : q0 + i0 + rows], False, rows, cols)
     if want_dmask:  # plain calls only: slot b, no row offsets
         dmask[b, h, i0 : i0 + rows, j0 : j0 + cols] = ds[:rows, :cols]
-    if variant[5] != 0:
+    if variant.softcap2 != 0:
         through_softcap(ds, dtanh, rows, cols)
 
 
@@ -1295,7 +1296,7 @@ def bf16_backward_dq(q_any, do_any, operands, variant, scale, stats, delta, dq, 
                      block_n, amx):  # fmt: skip
     """`attention_backward_dq` on bf16 tiles (`pack_bf16_backward`'s operands; `amx`: on
     AMX tiles)."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
     key_pairs = operands[2]
     q_heads = q.shape[1]
@@ -1303,7 +1304,7 @@ def bf16_backward_dq(q_any, do_any, operands, variant, scale, stats, delta, dq, 
     q_tiles = (longest(variant, 2) + block_m - 1) // block_m
     scale2, scale32 = np.float32(scale * LOG2E), np.float32(scale)
     want_dmask = dmask.shape[0] > 0
-    for item in prange(variant[4].shape[0] * q_heads * q_tiles):
+    for item in prange(variant.sequences.shape[0] * q_heads * q_tiles):
         b, h, tile = split_index(item, q_heads, q_tiles)
         slot, q0, q_len, _, kv_len = sequence(variant, b)
         i0 = tile * block_m
@@ -1311,7 +1312,7 @@ def bf16_backward_dq(q_any, do_any, operands, variant, scale, stats, delta, dq, 
         if rows <= 0:  # past this sequence's end
             continue
         p, ds = score_tiles(rows, block_n), score_tiles(rows, block_n)
-        dtanh = np.empty((rows if variant[5] != 0 else 0, block_n), np.float32)
+        dtanh = np.empty((rows if variant.softcap2 != 0 else 0, block_n), np.float32)
         ds16, dq_tile = rounded_tiles(rows, block_n), score_tiles(rows, key_pairs.shape[3] // 2)
         for j0, cols, structure in key_tiles(variant, b, h, i0, rows, kv_len, block_n):
             bf16_score_gradients(
@@ -1392,7 +1393,7 @@ def bf16_tile_buffers(operands, variant, block_m, block_n):
     f32 = np.float32
     return (
         score_tiles(block_m, block_n), score_tiles(block_m, block_n),
-        np.empty((block_m if variant[5] != 0 else 0, block_n), f32),
+        np.empty((block_m if variant.softcap2 != 0 else 0, block_n), f32),
         pair_tiles(block_m, block_n), pair_tiles(block_m, block_n), rounded_tiles(block_m, block_n),
         score_tiles(operands[3].shape[2], block_n), score_tiles(operands[4].shape[2], block_n),
         score_tiles(block_m, operands[2].shape[3] // 2),
@@ -1453,15 +1454,15 @@ def bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta,
 def bf16_backward_dkdv(q_any, do_any, operands, variant, scale, stats, delta, dk, dv, block_m,
                        block_n, amx):  # fmt: skip
     """`attention_backward_dkdv` on bf16 tiles."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
     kv_heads = operands[2].shape[1]
     kv_tiles = (longest(variant, 4) + block_n - 1) // block_n
     unused = np.zeros((0, 0, 0, 0), np.float32)
-    for item in prange(variant[4].shape[0] * kv_heads * kv_tiles):
+    for item in prange(variant.sequences.shape[0] * kv_heads * kv_tiles):
         b, hk, tile = split_index(item, kv_heads, kv_tiles)
         j0 = tile * block_n
-        cols = min(block_n, variant[4][b, 4] - j0)
+        cols = min(block_n, variant.sequences[b, 4] - j0)
         if cols <= 0:  # past this sequence's end
             continue
         buffers = bf16_tile_buffers(operands, variant, block_m, cols)
@@ -1474,12 +1475,12 @@ def bf16_backward_dkdv(q_any, do_any, operands, variant, scale, stats, delta, dk
 def bf16_backward_fused(q_any, do_any, operands, variant, scale, stats, delta, dq, dk, dv,
                         dmask, block_m, block_n, amx):  # fmt: skip
     """`attention_backward_fused` on bf16 tiles."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     q, grad_out = q_any[0], do_any[0]  # launch.any_layout's views
     kv_heads = operands[2].shape[1]
-    for item in prange(variant[4].shape[0] * kv_heads):
+    for item in prange(variant.sequences.shape[0] * kv_heads):
         b, hk, _ = split_index(item, kv_heads, 1)
-        kv_len = variant[4][b, 4]
+        kv_len = variant.sequences[b, 4]
         buffers = bf16_tile_buffers(operands, variant, block_m, block_n)
         for j0 in range(0, kv_len, block_n):
             bf16_key_tile_gradients(q, grad_out, operands, variant, scale, stats, delta, dq, dk,
@@ -1640,12 +1641,12 @@ def numba_forward_for(inputs: AttentionInputs) -> DenseForward | None:
     return DenseForward(inputs, keep_stats=inputs.needs_grad or variant.return_lse)
 
 
-def query_tiles(inputs: AttentionInputs, variant: tuple, block_m: int) -> int:
+def query_tiles(inputs: AttentionInputs, variant: LoweredVariant, block_m: int) -> int:
     """The forward's work items: (sequence, query head, query tile) triples."""
     return forward_items(variant, inputs.q_heads, block_m)
 
 
-def short_call_tiles(inputs: AttentionInputs, variant: tuple) -> tuple[int, int]:
+def short_call_tiles(inputs: AttentionInputs, variant: LoweredVariant) -> tuple[int, int]:
     """`tile_sizes`, with SHORT_CALL_BLOCK_M query rows where whole tiles leave a thread
     fewer than two: B = 1, H = 1, L = 128 took 41 us against 61, L = 256 139 us against 204
     (2 threads)."""
@@ -1706,10 +1707,10 @@ def tile_sizes(inputs: AttentionInputs, backward: bool = False) -> tuple[int, in
 def transposed_panels(k, v, variant) -> tuple[np.ndarray, np.ndarray]:
     """K and V packed once as panels for the backward's two products against their
     transposes (S = Q K^T, dP = dO V^T) on our tiles; empty on BLAS tiles."""
-    if variant[13] != OWN_TILES:
+    if variant.tiles != OWN_TILES:
         empty = np.zeros((0, 0, 0, 0, 0), np.float32)
         return empty, empty
-    count, kv_heads = variant[4].shape[0], k.shape[1]
+    count, kv_heads = variant.sequences.shape[0], k.shape[1]
     panels = (longest_in_table(variant, 4) + LANES - 1) // LANES
     packed = []
     for slot, x in (("key panels", k), ("value panels", v)):
@@ -1722,7 +1723,7 @@ def transposed_panels(k, v, variant) -> tuple[np.ndarray, np.ndarray]:
 def bf16_backward_operands(q, k, v, do, variant) -> tuple[np.ndarray, ...]:
     """`pack_bf16_backward`'s operands, packed: (key panels, value panels, key pairs, Q^T,
     dO^T) from bf16 bits of even E."""
-    count, q_heads, kv_heads = variant[4].shape[0], q.shape[1], k.shape[1]
+    count, q_heads, kv_heads = variant.sequences.shape[0], q.shape[1], k.shape[1]
     longest_keys, longest_queries = longest_in_table(variant, 4), longest_in_table(variant, 2)
     panels = (longest_keys + LANES - 1) // LANES
     # AMX's products read a step of 32 keys or query rows past a tile's last: zeros there.

@@ -69,6 +69,7 @@ from attnperf.kernels.numba.microkernels import (
     transpose_block,
 )
 from attnperf.kernels.numba.variant import (
+    LoweredVariant,
     key_range,
     lower_variant,
     modifies_scores,
@@ -615,8 +616,8 @@ def kvcache_split(
     group = q_heads // kv_heads
     rows = group * q_len
     scale2 = np.float32(scale * LOG2E)
-    slot = variant[4][b, 0]  # the sequence's batch entry: rows may be reordered
-    k_start, kv_len = variant[4][b, 3], variant[4][b, 4]
+    slot = variant.sequences[b, 0]  # the sequence's batch entry: rows may be reordered
+    k_start, kv_len = variant.sequences[b, 3], variant.sequences[b, 4]
     first, end = key_range(variant, b, 0, q_len, kv_len)
     chunk = ((end - first + splits - 1) // splits + 15) // 16 * 16
     lo, hi = first + split * chunk, min(first + (split + 1) * chunk, end)
@@ -734,7 +735,7 @@ def kvcache_forward_splits(
     and stats (in the same call: a call into numba costs a step ~10 us). memory: q_rows,
     k_pages, v_pages, out and stats, torch tensors' memory (`kvcache_arrays`). The splits'
     partial results are made here, never leaving the call."""
-    variant = unowned_members(variant)  # held by the caller
+    variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
     q_rows, k_pages, v_pages, out, stats = kvcache_arrays(memory)
     partial_out = np.empty((splits, *out.shape), np.float32)
     partial_stats = np.empty((splits, *stats.shape), np.float32)
@@ -889,7 +890,7 @@ NO_SCALES = np.zeros((0, 0, 0, 0), np.float32)
 
 def launch_step(
     q_rows: tuple, k_pages: tuple, v_pages: tuple, head_major: bool, kind: int, scales: tuple,
-    table: np.ndarray, variant: tuple, scale: float, splits: int, threads: int, out: tuple,
+    table: np.ndarray, variant: LoweredVariant, scale: float, splits: int, threads: int, out: tuple,
     stats: tuple,
 ) -> None:  # fmt: skip
     """Run kvcache_forward_splits on `threads` > 1 where there are two (batch, split) items

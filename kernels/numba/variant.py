@@ -4,6 +4,8 @@ modification (softcap, mask, ALiBi, band, block layout)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -33,19 +35,41 @@ MASK_OPEN, MASK_SHUT, MASK_SIEVE, MASK_VALUES = 0, 1, 2, 3
 
 
 # ---------------------------------------------------------------------------- the variant
-# A call's variant lowered once (`lower_variant`) into one tuple that every kernel passes on:
-# (mask, mask_kind, left, right, sequences, softcap2, alibi2, kinds, partial_index, partial,
-#  block_q, block_k, sinks2, tiles, mask_blocks, mask_index). The band is left/right around
-# each row's diagonal i + offset (UNBOUNDED when open); sequences (B, 6) is
-# attnperf.inputs.Sequences' table (slot, q_start, q_len, k_start, k_len, offset), one row per
-# batch entry for a plain call: row indices i, j are within a sequence, its arrays' rows start
-# at q_start, k_start of batch entry `slot`; the attn_mask by blocks (`_mask_for_kernel`):
-# mask (P, MASK_BLOCK, MASK_BLOCK) the elements of the blocks that it reads, mask_blocks and
-# mask_index (B, Hq, ceil(L / MASK_BLOCK), ceil(S / MASK_BLOCK)) behind `any_layout`'s
-# leading dim; softcap2 = softcap * log2(e), 0 without; alibi2 (B, Hq) = slopes * log2(e),
-# empty without; the block layout broadcast to (B, Hq, QB, KB), block_q = 0 without; sinks2
-# (Hq,) = sinks * log2(e), empty without; tiles: the fp32 tile products' route
-# (tiles.product).
+class LoweredVariant(NamedTuple):
+    """A call's variant lowered once (`lower_variant`), passed on by every kernel (numba
+    reads a named tuple's fields by name, as a tuple's members). A kernel that shares its
+    work out by prange rebuilds it by its class, `LoweredVariant(*unowned_members(variant))`:
+    numba's parfor lowering re-creates a named tuple in its gufunc by the class of the call
+    that defined it, and one defined by another call (`unowned_members`) failed to compile."""
+
+    # The attn_mask by blocks (`_mask_for_kernel`): the elements of the blocks it reads (P,
+    # MASK_BLOCK, MASK_BLOCK), its kind (MASK_NONE ...), then below each block's kind and
+    # index, (B, Hq, ceil(L / MASK_BLOCK), ceil(S / MASK_BLOCK)) behind `any_layout`'s
+    # leading dim.
+    mask: np.ndarray
+    mask_kind: int
+    # The band, inclusive around each row's diagonal i + offset; UNBOUNDED where open.
+    window_left: int
+    window_right: int
+    # attnperf.inputs.Sequences' table (B, 6): (slot, q_start, q_len, k_start, k_len,
+    # offset), one row per batch entry for a plain call: row indices i, j are within a
+    # sequence, its arrays' rows start at q_start, k_start of batch entry `slot`.
+    sequences: np.ndarray
+    softcap2: np.float32  # softcap * log2(e), 0 without
+    alibi2: np.ndarray  # (B, Hq) slopes * log2(e), empty without
+    # The block layout broadcast to (B, Hq, QB, KB) (`attnperf.layouts`); block_q = 0
+    # without.
+    layout_kinds: np.ndarray
+    layout_partial_index: np.ndarray
+    layout_partial: np.ndarray
+    block_q: int
+    block_k: int
+    sinks2: np.ndarray  # (Hq,) sinks * log2(e), empty without
+    tiles: int  # the fp32 tile products' route (tiles.product)
+    mask_blocks: np.ndarray
+    mask_index: np.ndarray
+
+
 UNBOUNDED = 1 << 40
 SKIP, MASKED, UNMASKED = 0, 1, 2  # what a (query tile, key tile) needs from the structure
 
@@ -53,31 +77,31 @@ SKIP, MASKED, UNMASKED = 0, 1, 2  # what a (query tile, key tile) needs from the
 @njit()
 def sequence(variant, b):
     """(slot, q_start, q_len, k_start, k_len) of sequence b."""
-    row = variant[4][b]
+    row = variant.sequences[b]
     return row[0], row[1], row[2], row[3], row[4]
 
 
 @njit()
 def longest(variant, column):
     """The largest q_len (column 2) or k_len (4) of the sequences."""
-    sequences = variant[4]
+    sequences = variant.sequences
     result = 0
     for b in range(sequences.shape[0]):
         result = max(result, sequences[b, column])
     return result
 
 
-def longest_in_table(variant: tuple, column: int) -> int:
+def longest_in_table(variant: LoweredVariant, column: int) -> int:
     """`longest` for the launchers, in numpy: a call into numba types the whole variant
     tuple first (~5 us, and a short call made three). By a list: numpy's reduction of a
     table this small cost more than the list (~1.5 us against ~0.5)."""
-    return max(variant[4][:, column].tolist(), default=0)
+    return max(variant.sequences[:, column].tolist(), default=0)
 
 
 @njit()
 def key_range(variant, b, i0, rows, kv_len):
     """[first, end) of the keys that query rows i0 .. i0 + rows - 1 may see in the band."""
-    left, right, offset = variant[2], variant[3], variant[4][b, 5]
+    left, right, offset = variant.window_left, variant.window_right, variant.sequences[b, 5]
     # Whole multiples of 16 keys (the band masks the extra ones): BLAS runs faster on them.
     first = max(i0 + offset - left, 0) // 16 * 16
     end = min((i0 + rows - 1 + offset + right + 1 + 15) // 16 * 16, kv_len)
@@ -87,7 +111,7 @@ def key_range(variant, b, i0, rows, kv_len):
 @njit()
 def query_range(variant, b, j0, cols, q_len):
     """[first, end) of the query rows that may see keys j0 .. j0 + cols - 1 in the band."""
-    left, right, offset = variant[2], variant[3], variant[4][b, 5]
+    left, right, offset = variant.window_left, variant.window_right, variant.sequences[b, 5]
     first = max(j0 - offset - right, 0)
     end = min(j0 + cols - 1 - offset + left + 1, q_len)
     return first, max(end, first)
@@ -96,7 +120,7 @@ def query_range(variant, b, j0, cols, q_len):
 @njit()
 def tile_structure(variant, b, h, i0, rows, j0, cols):
     """SKIP, MASKED or UNMASKED: what the band and the block layout leave of one tile."""
-    left, right, offset = variant[2], variant[3], variant[4][b, 5]
+    left, right, offset = variant.window_left, variant.window_right, variant.sequences[b, 5]
     # Key j's distance right of row i's diagonal, j - (i + offset), over the tile:
     nearest = j0 - (i0 + rows - 1) - offset
     farthest = j0 + cols - 1 - i0 - offset
@@ -106,7 +130,7 @@ def tile_structure(variant, b, h, i0, rows, j0, cols):
         return SKIP
     if masked != MASK_OPEN:
         result = MASKED
-    kinds, block_q, block_k = variant[7], variant[10], variant[11]
+    kinds, block_q, block_k = variant.layout_kinds, variant.block_q, variant.block_k
     if block_q == 0:
         return result
     seen = False
@@ -123,9 +147,9 @@ def tile_structure(variant, b, h, i0, rows, j0, cols):
 def mask_tile(variant, b, h, i0, rows, j0, cols):
     """What the attn_mask does to one tile: MASK_VALUES if one of its blocks adds values,
     MASK_OPEN if all are open (or no mask), MASK_SHUT if all are shut, else MASK_SIEVE."""
-    if variant[1] == MASK_NONE:
+    if variant.mask_kind == MASK_NONE:
         return MASK_OPEN
-    blocks = variant[14]
+    blocks = variant.mask_blocks
     opened = shut = True
     for qb in range(i0 // MASK_BLOCK, (i0 + rows - 1) // MASK_BLOCK + 1):
         for kb in range(j0 // MASK_BLOCK, (j0 + cols - 1) // MASK_BLOCK + 1):
@@ -142,9 +166,9 @@ def mask_key_range(variant, b, h, i0, rows, first, end):
     """[first, end) narrowed to the attn_mask's blocks that are not shut for query rows
     i0 .. i0 + rows - 1 (still whole multiples of 16 keys): a causal mask's last tile ends
     at its diagonal, as is_causal's does."""
-    if variant[1] == MASK_NONE or first >= end:
+    if variant.mask_kind == MASK_NONE or first >= end:
         return first, end
-    blocks = variant[14]
+    blocks = variant.mask_blocks
     low, high = end, first
     for qb in range(i0 // MASK_BLOCK, (i0 + rows - 1) // MASK_BLOCK + 1):
         for kb in range(first // MASK_BLOCK, (end - 1) // MASK_BLOCK + 1):
@@ -183,7 +207,7 @@ def changes_values(variant):
     the scaled scores), not only sets some to -inf (the band, the block layout), which the
     scale leaves as they are. A float mask's values change a MASKED tile's where
     `adds_mask_values`."""
-    return variant[5] != 0 or variant[6].shape[0] > 0
+    return variant.softcap2 != 0 or variant.alibi2.shape[0] > 0
 
 
 @njit()
@@ -200,10 +224,10 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
     With a softcap and `dtanh` of the tile's size, also dtanh <- 1 - tanh^2, the softcap's
     gradient factor for the backward.
     """
-    softcap_scores(s, rows, cols, variant[5], dtanh)
+    softcap_scores(s, rows, cols, variant.softcap2, dtanh)
     if structure == MASKED:
         mask_scores(s, False, variant, b, h, i0, j0, rows, cols)
-    alibi2, offset = variant[6], variant[4][b, 5]
+    alibi2, offset = variant.alibi2, variant.sequences[b, 5]
     if alibi2.shape[0] > 0:
         slope = alibi2[b, h]
         for r in range(rows):
@@ -213,7 +237,7 @@ def modify_scores(s, variant, b, h, i0, j0, rows, cols, structure, dtanh):
                 s_row[c] -= slope * abs(distance + c)
     if structure != MASKED:
         return
-    left, right = variant[2], variant[3]
+    left, right = variant.window_left, variant.window_right
     for r in range(rows):  # the band: key j for row i iff -left <= j - (i + offset) <= right
         distance = j0 - (i0 + r) - offset
         for c in range(0, min(max(-left - distance, 0), cols)):
@@ -230,17 +254,17 @@ def modify_transposed_scores(s_t, s_rows, variant, b, h, i0, j0, rows, cols, str
     softcap, ALiBi and the band run down each key's row of query rows, vectorised as
     `modify_scores`' rows are, and the attn_mask by its blocks; with a block layout to apply
     (read by rows) the tile goes through s_rows (rows by cols) by rows and back."""
-    if structure == MASKED and variant[10] != 0:
+    if structure == MASKED and variant.block_q != 0:
         keys = whole_tiles(cols)
         transpose_tile(s_t, s_rows, keys, s_t.shape[1])
         modify_scores(s_rows, variant, b, h, i0, j0, rows, cols, structure,
                       np.empty((0, 0), np.float32))  # fmt: skip
         transpose_tile(s_rows, s_t, s_t.shape[1], keys)
         return
-    softcap_scores(s_t, cols, rows, variant[5], np.empty((0, 0), np.float32))
+    softcap_scores(s_t, cols, rows, variant.softcap2, np.empty((0, 0), np.float32))
     if structure == MASKED:
         mask_scores(s_t, True, variant, b, h, i0, j0, rows, cols)
-    alibi2, offset = variant[6], variant[4][b, 5]
+    alibi2, offset = variant.alibi2, variant.sequences[b, 5]
     if alibi2.shape[0] > 0:
         slope = alibi2[b, h]
         for c in range(cols):
@@ -250,7 +274,7 @@ def modify_transposed_scores(s_t, s_rows, variant, b, h, i0, j0, rows, cols, str
                 s_row[r] -= slope * abs(distance - r)
     if structure != MASKED:
         return
-    left, right = variant[2], variant[3]
+    left, right = variant.window_left, variant.window_right
     for c in range(cols):  # key j sees rows i with j - offset - right <= i <= j - offset + left
         first = j0 + c - offset - right - i0
         last = j0 + c - offset + left - i0
@@ -286,8 +310,8 @@ def mask_scores(s, transposed, variant, b, h, i0, j0, rows, cols):
     """The attn_mask added to a tile's scores (s[r, c], or s[c, r] if transposed) by its
     blocks: nothing to an open block, -inf to a shut one, its values to the others (a bool
     mask's False as -inf; added, not set, so that a NaN score stays NaN, as in SDPA)."""
-    values, blocks, index = variant[0], variant[14], variant[15]
-    if variant[1] == MASK_NONE:
+    values, blocks, index = variant.mask, variant.mask_blocks, variant.mask_index
+    if variant.mask_kind == MASK_NONE:
         return
     # Whole blocks (the tile's corner on the blocks' grid) on explicit vectors where they
     # fit in s (its rows and columns, or its columns and rows transposed): cells past rows
@@ -324,7 +348,12 @@ def mask_scores(s, transposed, variant, b, h, i0, j0, rows, cols):
 @njit(fastmath=FASTMATH)
 def layout_scores(s, variant, b, h, i0, j0, rows, cols):
     """-inf where the block layout leaves a MASKED tile's scores out."""
-    kinds, partial_index, partial, block_q, block_k = variant[7:12]
+    kinds, partial_index, partial = (
+        variant.layout_kinds,
+        variant.layout_partial_index,
+        variant.layout_partial,
+    )
+    block_q, block_k = variant.block_q, variant.block_k
     if block_q == 0:
         return
     for qb in range(i0 // block_q, (i0 + rows - 1) // block_q + 1):
@@ -348,7 +377,7 @@ def with_sink(variant, h, row_max, row_sum):
     - max)) with head h's sink term 2 ** sink2 added to the sum, and the factor that turns
     its unnormalised accumulator into the output (0 for a row of sum 0 without sinks; a row
     that saw no key gets (sink2, 1, 0) with them)."""
-    sinks2 = variant[12]
+    sinks2 = variant.sinks2
     if sinks2.shape[0] == 0:
         return row_max, row_sum, 1.0 / row_sum if row_sum != 0 else 0.0
     sink2 = sinks2[h]
@@ -523,7 +552,7 @@ def balanced_order(table: Tensor, threads: int) -> Tensor | None:
     return torch.tensor([b for share in shares for b in share])
 
 
-# Dense calls' variant tuples by what they are made of: each is made of the call's shape
+# Dense calls' lowered variants by what they are made of: each is made of the call's shape
 # and scalars alone, and a short call spent 6-10 us making its own (B = 1, H = 8, L = 64,
 # Intel Xeon). The kernels only read them (their arrays stay writeable all the same: numba
 # types a read-only array apart, a compilation of its own).
@@ -531,8 +560,8 @@ _DENSE_VARIANTS: dict[tuple, tuple] = {}
 MAX_DENSE_VARIANTS = 256
 
 
-def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
-    """The call's masks and variant as the kernels' one `variant` tuple (see UNBOUNDED)."""
+def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> LoweredVariant:
+    """The call's masks and variant as the kernels' one `LoweredVariant`."""
     variant = inputs.variant
     tensorless = (
         isinstance(inputs, AttentionInputs) and inputs.attn_mask is None
@@ -551,14 +580,14 @@ def lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     return lowered
 
 
-def with_sequences(lowered: tuple, table: np.ndarray) -> tuple:
+def with_sequences(lowered: LoweredVariant, table: np.ndarray) -> LoweredVariant:
     """A lowered variant (`lower_variant`) with another call's sequences (their table,
     attnperf.inputs.Sequences') in place of its own: for calls alike but for their lengths,
     every sequence as long (so that balanced_order keeps their order) and none packed."""
-    return (*lowered[:4], table, *lowered[5:])
+    return lowered._replace(sequences=table)
 
 
-def _lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
+def _lower_variant(inputs: AttentionInputs | KVCacheInputs) -> LoweredVariant:
     mask, mask_kind, mask_blocks, mask_index = _mask_for_kernel(inputs)
     variant = inputs.variant
     left, right = inputs.band or (None, None)
@@ -588,9 +617,12 @@ def _lower_variant(inputs: AttentionInputs | KVCacheInputs) -> tuple:
     sinks2 = NO_SINKS
     if variant.sinks is not None:
         sinks2 = as_numpy((variant.sinks.detach().float() * LOG2E).contiguous())
-    return (
-        mask, mask_kind,
-        UNBOUNDED if left is None else left, UNBOUNDED if right is None else right,
-        table.numpy(), softcap2, alibi2, kinds, partial_index, partial, block_q,
-        block_k, sinks2, tiles_flag(), mask_blocks, mask_index,
+    return LoweredVariant(
+        mask=mask, mask_kind=mask_kind,
+        window_left=UNBOUNDED if left is None else left,
+        window_right=UNBOUNDED if right is None else right,
+        sequences=table.numpy(), softcap2=softcap2, alibi2=alibi2, layout_kinds=kinds,
+        layout_partial_index=partial_index, layout_partial=partial, block_q=block_q,
+        block_k=block_k, sinks2=sinks2, tiles=tiles_flag(), mask_blocks=mask_blocks,
+        mask_index=mask_index,
     )  # fmt: skip
