@@ -27,17 +27,17 @@ import torch
 from decode_steps import HEAD_DIM  # benches/, the script's own folder
 
 import attnperf
-from attnperf.kernels.numba.attention import online_softmax_rescale
 from attnperf.kernels.numba.jit import FASTMATH, aligned_empty, njit
-from attnperf.kernels.numba.kvcache import (
-    DECODE_BLOCK_N,
+from attnperf.kernels.numba.key_dots import scores_by_dots
+from attnperf.kernels.numba.kvcache import DECODE_BLOCK_N, prefetches
+from attnperf.kernels.numba.kvcache_tiles import (
     ahead_of,
     chunked_values,
     memory_order,
-    prefetches,
     round_to_bf16,
 )
-from attnperf.kernels.numba.microkernels import LANES, scores_by_dots
+from attnperf.kernels.numba.microkernels import LANES
+from attnperf.kernels.numba.softmax import online_softmax_rescale
 from attnperf.machine import cpu_description
 
 Q_HEADS, KV_HEADS, KEYS = 32, 8, 65536

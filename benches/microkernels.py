@@ -40,14 +40,10 @@ import numpy as np
 import torch
 
 from attnperf.kernels.numba.amx import amx_product, depth_steps
-from attnperf.kernels.numba.attention import (
-    online_softmax_rescale,
-    transposed_softmax,
-    transposed_softmax_to_bf16,
-)
 from attnperf.kernels.numba.fastmath import LOG2E
 from attnperf.kernels.numba.jit import FASTMATH, aligned_empty, njit
-from attnperf.kernels.numba.kvcache import (
+from attnperf.kernels.numba.key_dots import scores_by_dots
+from attnperf.kernels.numba.kvcache_tiles import (
     AMX,
     VALUE_CHUNK,
     amx_buffers,
@@ -57,15 +53,16 @@ from attnperf.kernels.numba.kvcache import (
 )
 from attnperf.kernels.numba.microkernels import (
     LANES,
-    gemm_fp32,
     inlined_tile_product,
-    pack_key_panels,
-    pack_vnni,
-    peak_flops,
-    scores_by_dots,
     target_features,
     tile_product,
-    transpose_bf16,
+)
+from attnperf.kernels.numba.packing import gemm_fp32, pack_key_panels, pack_vnni, transpose_bf16
+from attnperf.kernels.numba.peaks import peak_flops
+from attnperf.kernels.numba.softmax import (
+    online_softmax_rescale,
+    transposed_softmax,
+    transposed_softmax_to_bf16,
 )
 from attnperf.machine import cpu_description
 
@@ -271,7 +268,7 @@ def products(dim, rounds):
     rows.append(("dO^T P (E x 512, rows paired)", "bf16", flops, dvt16, torch_mm(q16.T, p16)))
     if peak_flops("amx") is None or dim % 32:
         return rows
-    # The forward's two products on AMX tiles as `attention.amx_query_tile` runs them, the
+    # The forward's two products on AMX tiles as `forward_amx.amx_query_tile` runs them, the
     # scores transposed: S^T = K Q^T (keys' rows as they lie, Q^T in panels of 16 rows),
     # O^T += V^T P^T (V^T packed, P^T in pairs).
     q_t, v_t, p_t = amx_forward_operands(q16, v16, p16)
@@ -286,7 +283,7 @@ def products(dim, rounds):
 
 def fp32_transposed_views(q, k, v, p):
     """`tile_product`'s arguments (after the repetitions) for S^T = K Q^T and O^T += V^T
-    P^T as `attention.fp32_query_tile` calls them; p (ROWS, KEYS) stands for P, its
+    P^T as `forward_fp32.fp32_query_tile` calls them; p (ROWS, KEYS) stands for P, its
     transpose for P^T."""
     dim = q.shape[1]
     q_t = aligned_zeros((ROWS // 16, dim, 16))

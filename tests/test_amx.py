@@ -12,15 +12,11 @@ from attnperf.inputs import prepare
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
 pytest.importorskip("numba")
-from attnperf.kernels.numba import attention, microkernels
+from attnperf.kernels.numba import attention, microkernels, vector_ops
 from attnperf.kernels.numba.amx import amx_product
 from attnperf.kernels.numba.jit import njit
-from attnperf.kernels.numba.microkernels import (
-    column_maxima,
-    exp2_pairs_to_bf16,
-    pack_key_panels,
-    pack_vnni,
-)
+from attnperf.kernels.numba.packing import pack_key_panels, pack_vnni
+from attnperf.kernels.numba.vector_ops import column_maxima, exp2_pairs_to_bf16
 
 if dispatch.registry()["numba"].unavailable_reason():
     pytest.skip(dispatch.registry()["numba"].unavailable_reason(), allow_module_level=True)
@@ -151,7 +147,7 @@ def test_exp2_pairs_round_to_bf16_pairs_and_sum_in_fp32():
     assert got[0, 0] == 0 and np.isnan(got[0, 1]) and got[0, 2] == 0 and got[0, 3] == 1
     finite = np.isfinite(exact)
     finite[0, :4] = False
-    floor = 2.0**microkernels.EXP2_FLOOR  # below it, 0
+    floor = 2.0**vector_ops.EXP2_FLOOR  # below it, 0
     assert np.all(np.abs(got[finite] - exact[finite]) <= 2.0**-8 * exact[finite] + floor)
     sums = 0.5 + np.nansum(exact, axis=0)
     assert np.isnan(total[1]) and total[8] == 0.5

@@ -15,21 +15,20 @@ from attnperf import dispatch
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
 pytest.importorskip("numba")
-from attnperf.kernels.numba import blas, microkernels, tiles
+from attnperf.kernels.numba import blas, microkernels, tiles, vector_ops
 from attnperf.kernels.numba.amx import amx_permitted
-from attnperf.kernels.numba.attention import round_probabilities
 from attnperf.kernels.numba.jit import njit
-from attnperf.kernels.numba.microkernels import (
-    add_block,
-    exp2_columns,
+from attnperf.kernels.numba.key_dots import scores_by_dots
+from attnperf.kernels.numba.microkernels import tile_product
+from attnperf.kernels.numba.packing import (
     gemm_fp32,
     pack_key_panels,
     pack_vnni,
-    scores_by_dots,
-    tile_product,
     transpose_bf16,
     transpose_tile,
 )
+from attnperf.kernels.numba.softmax import round_probabilities
+from attnperf.kernels.numba.vector_ops import add_block, exp2_columns
 
 if dispatch.registry()["numba"].unavailable_reason():
     pytest.skip(dispatch.registry()["numba"].unavailable_reason(), allow_module_level=True)
@@ -353,7 +352,7 @@ def test_exp2_columns_as_exact_as_exp2_in_place_and_sum_in_fp32(cols):
         assert got[0, 0] == 0 and np.isnan(got[0, 1]) and got[0, 2] == 0 and got[0, 3] == 1
     finite = np.isfinite(exact)
     finite[:1, :4] = False
-    floor = 2.0**microkernels.EXP2_FLOOR  # below it, 0
+    floor = 2.0**vector_ops.EXP2_FLOOR  # below it, 0
     assert np.all(np.abs(got[finite] - exact[finite]) <= 1e-7 * exact[finite] + floor)
     sums = 0.5 + np.nansum(exact, axis=0)
     assert total[8] == 0.5 and (np.isnan(total[1]) if cols else total[1] == 0.5)
@@ -558,7 +557,7 @@ def test_peaks_follow_the_target(tmp_path):
     """On AVX2 code paths the fp32 peak loop is 8 lanes wide (16 would spill) and there is
     no bf16 dot peak; a fresh process, since numba reads its target at start-up."""
     script = (
-        "from attnperf.kernels.numba.microkernels import fma_lanes, peak_flops\n"
+        "from attnperf.kernels.numba.peaks import fma_lanes, peak_flops\n"
         "print(fma_lanes(), peak_flops('fp32', 0.05) > 1e9, peak_flops('bf16'))\n"
     )
     assert run_for_target(script, "haswell", "+avx2,+fma", tmp_path) == ["8", "True", "None"]

@@ -17,7 +17,18 @@ from attnperf.inputs import prepare
 from attnperf.testing import assert_agrees, float64_reference, same_precision_reference
 
 pytest.importorskip("numba")
-from attnperf.kernels.numba import attention, blas, fastmath, jit, launch, variant
+from attnperf.kernels.numba import (
+    attention,
+    blas,
+    fastmath,
+    forward_amx,
+    forward_fp32,
+    forward_rows,
+    jit,
+    launch,
+    softmax,
+    variant,
+)
 from attnperf.kernels.numba.jit import numba
 from attnperf.kernels.numba.microkernels import BF16
 
@@ -400,9 +411,9 @@ def test_forward_copies_rows_a_head_apart_where_its_workspace_has_room(first, dt
     forward = attention.DenseForward(prepare(*order[0], **call))
     needs = {  # the room each kernel looks for past its other buffers
         attention.fp32_forward: (attention.fp32_workspace_bytes,
-                                 attention.fp32_head_bytes(600, dim, value_dim)),
+                                 forward_fp32.fp32_head_bytes(600, dim, value_dim)),
         attention.amx_forward: (attention.amx_workspace_bytes,
-                                attention.rows_bytes(600, dim, 2)),
+                                softmax.rows_bytes(600, dim, 2)),
     }  # fmt: skip
     if forward.kernel in needs:  # AVX-512 fp32 and AMX bf16: the room follows the first call
         workspace_bytes, copy_bytes = needs[forward.kernel]
@@ -623,25 +634,25 @@ def test_forward_workspaces_hold_every_tile_of_the_call(keys, by_rows):
     f32, u16 = attention.F32, attention.U16
     for rows in (1, 16, 40, 64):
         for kv_len in range(1, keys + 1, 7):
-            width = attention.key_tile_width(kv_len, 64)
-            _, _, values = attention.amx_values_buffers(0, keys, 32)
-            _, tile = attention.amx_tile_buffers(0, -(-rows // 16) * 16, width, 64, 32, by_rows)
+            width = softmax.key_tile_width(kv_len, 64)
+            _, _, values = forward_amx.amx_values_buffers(0, keys, 32)
+            _, tile = forward_amx.amx_tile_buffers(0, -(-rows // 16) * 16, width, 64, 32, by_rows)
             needed = -(-values // 64) * 64 + tile + 64
             plain = attention.amx_workspace_bytes(keys, 64, 32, 64, 64, by_rows, False)
             assert needed <= plain
             copying = attention.amx_workspace_bytes(keys, 64, 32, 64, 64, by_rows, True)
-            assert copying - plain >= attention.rows_bytes(keys, 64, 2)  # the kernel's test
-            _, tile = attention.fp32_tile_buffers(0, -(-rows // 16) * 16, width, 40, 24,
+            assert copying - plain >= softmax.rows_bytes(keys, 64, 2)  # the kernel's test
+            _, tile = forward_fp32.fp32_tile_buffers(0, -(-rows // 16) * 16, width, 40, 24,
                                                   by_rows)  # fmt: skip
             without = attention.fp32_workspace_bytes(keys, 40, 24, 64, 64, by_rows, False)
             assert tile + 64 <= without
             with_room = attention.fp32_workspace_bytes(keys, 40, 24, 64, 64, by_rows, True)
-            head = attention.fp32_head_bytes(keys, 40, 24)
-            assert head >= attention.rows_bytes(keys, 40, 4) + keys * 24 * 4
+            head = forward_fp32.fp32_head_bytes(keys, 40, 24)
+            assert head >= softmax.rows_bytes(keys, 40, 4) + keys * 24 * 4
             assert with_room - without >= head  # fp32_forward_items' test for room
             for like in (f32, u16):
-                _, _, kv = attention.packed_kv_buffers(0, keys, 40, 24, like)
-                *_, tile = attention.packed_tile_buffers(0, rows, width, 24, like is u16)
+                _, _, kv = forward_rows.packed_kv_buffers(0, keys, 40, 24, like)
+                *_, tile = forward_rows.packed_tile_buffers(0, rows, width, 24, like is u16)
                 needed = -(-kv // 64) * 64 + tile + 64
                 assert needed <= attention.packed_workspace_bytes(keys, 40, 24, 64, 64, like)
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 import attnperf
 from attnperf.bench import sweep
 from attnperf.kernels.numba.jit import MISSING as NUMBA_MISSING
-from attnperf.kernels.numba.microkernels import peak_flops, target_features, tile_route
+from attnperf.kernels.numba.microkernels import target_features, tile_route
+from attnperf.kernels.numba.peaks import peak_flops
 
 # Llama-3-8B's attention: 32 query heads over 8 key/value heads of 128 dims.
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 32, 8, 128

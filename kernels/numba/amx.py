@@ -315,7 +315,7 @@ AMX_PEAK_FLOPS_PER_ROUND = 4 * TILE_ROWS * TILE_ROWS * 2 * TILE_PAIRS * 2  # 4 t
 @njit()
 def amx_peak_loop(iterations):
     """`iterations` rounds of 4 independent tdpbf16ps on tiles held in registers: AMX's
-    peak, as the register-only loops of `microkernels.peak_flops` time the vector units'."""
+    peak, as the register-only loops of `peaks.peak_flops` time the vector units'."""
     configure_tiles(TILE_CONFIG)
     tile_zero(0)
     tile_zero(1)

@@ -12,7 +12,8 @@ import numpy as np
 
 from attnperf.kernels.numba.blas import gemm
 from attnperf.kernels.numba.jit import FASTMATH, any_strides, njit
-from attnperf.kernels.numba.microkernels import gemm_fp32, tile_route
+from attnperf.kernels.numba.microkernels import tile_route
+from attnperf.kernels.numba.packing import gemm_fp32
 
 BLAS_TILES, OWN_TILES = 0, 1
 

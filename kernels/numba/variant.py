@@ -15,8 +15,9 @@ from attnperf.kernels.numba.amx import whole_tiles
 from attnperf.kernels.numba.fastmath import LOG2E, base2_bias, tanh, widen
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, split_index
 from attnperf.kernels.numba.launch import any_layout, as_numpy, run_parallel
-from attnperf.kernels.numba.microkernels import add_block, transpose_tile, vector_blocks
+from attnperf.kernels.numba.packing import transpose_tile
 from attnperf.kernels.numba.tiles import tiles_flag
+from attnperf.kernels.numba.vector_ops import add_block, vector_blocks
 from attnperf.layouts import EMPTY as LAYOUT_EMPTY
 from attnperf.layouts import FULL as LAYOUT_FULL
 from attnperf.serving import KVCacheInputs
