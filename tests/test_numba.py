@@ -257,6 +257,20 @@ def test_a_process_forked_after_parallel_kernels_runs_them():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
+def test_a_kernels_cache_stamp_covers_every_module_of_its_folder(tmp_path):
+    """numba inlines helpers of other files into a kernel but stamped its cache with the
+    kernel's own file: an edit to a helper module left the others' kernels stale."""
+    kernel, helper = tmp_path / "kernel.py", tmp_path / "helper.py"
+    kernel.write_text("x = 1\n")
+    helper.write_text("y = 2\n")
+    before = jit.folder_stamp(str(tmp_path))
+    helper.write_text("y = 3\n")
+    assert jit.folder_stamp(str(tmp_path)) != before
+    fastmath.exp2_shifted(np.zeros(4, np.float32), 4, np.float32(0.0), np.float32(1.0))
+    locator = fastmath.exp2_shifted._cache._impl._locator
+    assert locator.get_source_stamp() == jit.folder_stamp()
+
+
 def test_the_first_parallel_kernel_leaves_torch_its_thread_count():
     """numba's pool, started by the process's first parallel kernel, shares GNU OpenMP with
     torch: the caller's torch.set_num_threads(1) must still hold after it."""

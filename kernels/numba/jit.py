@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import glob
+import hashlib
+import os
 import types as pytypes
 
 import numpy as np
@@ -12,14 +15,15 @@ try:
     import scipy  # noqa: F401  (scipy's BLAS serves when torch exports no sgemm)
     from llvmlite import binding as llvm_binding
     from llvmlite import ir
-    from numba.core import cgutils, types
+    from numba.core import caching, cgutils, types
     from numba.core.codegen import get_host_cpu_features as numba_host_features
     from numba.extending import intrinsic, overload
     from numba.np.arrayobj import populate_array
 
     MISSING = None
 except ImportError as error:
-    numba = cgutils = ir = llvm_binding = numba_host_features = populate_array = types = None
+    numba = caching = cgutils = ir = llvm_binding = numba_host_features = populate_array = None
+    types = None
     MISSING = f"numba and scipy are needed ({error}); pip install 'attnperf[cpu]'"
 
 
@@ -31,7 +35,61 @@ def njit(**options):
     """
     if numba is None:
         return lambda function: function
+    _stamp_kernels_by_folder()
     return numba.njit(cache=True, nogil=True, error_model="numpy", **options)
+
+
+KERNELS_FOLDER = os.path.dirname(os.path.abspath(__file__))
+
+
+def folder_stamp(folder: str = KERNELS_FOLDER) -> str:
+    """A hash of every module of `folder`, by content: the cache stamp of each kernel
+    there. numba stamps a cached kernel with its own file alone, but inlines the helpers of
+    other files into it: after an edit to a helper module (or a `git pull` that changes
+    one) the kernels of the other files kept their stale code, silently."""
+    paths = sorted(glob.glob(os.path.join(folder, "*.py")))
+    return _hash_of(tuple((path, os.stat(path).st_mtime_ns, os.stat(path).st_size)
+                          for path in paths))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_of(files: tuple) -> str:
+    digest = hashlib.sha256()
+    for path, _, _ in files:
+        with open(path, "rb") as source:
+            digest.update(source.read())
+    return digest.hexdigest()
+
+
+class _FolderStamp:
+    """A numba cache locator's stamp for this folder's kernels: `folder_stamp`."""
+
+    def get_source_stamp(self):
+        return folder_stamp()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if os.path.dirname(os.path.abspath(py_file)) != KERNELS_FOLDER:
+            return None
+        return super().from_function(py_func, py_file)
+
+
+@functools.cache
+def _stamp_kernels_by_folder() -> None:
+    """Puts a `_FolderStamp` twin ahead of each of numba's file-backed cache locators (its
+    own cache folder, a user's NUMBA_CACHE_DIR, the user-wide one), for this folder's
+    kernels only; a numba without that list keeps its own stamps."""
+    impl = getattr(caching, "CacheImpl", getattr(caching, "_CacheImpl", None))  # by version
+    names = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
+    bases = [getattr(caching, name, None) for name in names]
+    if impl is None or not hasattr(impl, "_locator_classes"):
+        return
+    ordered = []
+    for locator in impl._locator_classes:
+        if locator in bases:
+            ordered.append(type(f"Folder{locator.__name__}", (_FolderStamp, locator), {}))
+        ordered.append(locator)
+    impl._locator_classes = ordered
 
 
 @functools.cache
