@@ -1,5 +1,6 @@
 """The numba backend's own choices: the BLAS it binds, both backward schedules, its exp2."""
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -238,8 +239,6 @@ def test_a_process_forked_after_parallel_kernels_runs_them():
     """A DataLoader worker forked after a training step: GNU OpenMP's threads do not
     survive a fork, and numba ended the child at its first parallel kernel. The child runs
     them on its calling thread (`jit.serial`), with the parent's results."""
-    import multiprocessing
-
     expected = _parallel_calls()
     receive, send = multiprocessing.Pipe(duplex=False)
     child = multiprocessing.get_context("fork").Process(target=_in_child, args=(send,))

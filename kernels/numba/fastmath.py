@@ -68,23 +68,26 @@ def maxnum(typingctx, a, b):
     return sig, codegen
 
 
-# Fast-math flags without "contract", for an instruction that must stay unfused: numba's
-# fastmath pass gives its flags (contraction among them) to every float instruction that
-# has none.
-NO_CONTRACT = ("nsz",)
+def emit_scaled_minus(builder, scores, factors, shifts):
+    """IR of factor * s - shift (float32, scalars or vectors) with the product rounded first,
+    never one FMA: the shift is a rounded product (the row's largest factor * s), so the
+    row's largest score gets exactly 0 and no other one more. Fused, the product's exact
+    value leaves up to half an ulp of it against the shift: 2 ** 47 at scores of 1e21
+    (scale=1e20), whose exp2 was inf (and the row NaN) or 0 for the row's largest key.
+    numba's fastmath pass gives its flags, "contract" among them, to every float
+    instruction that has none: these two carry "nsz" alone."""
+    product = builder.fmul(scores, factors, flags=("nsz",))
+    return builder.fsub(product, shifts, flags=("nsz",))
 
 
 @intrinsic
 def scaled_minus(typingctx, score, factor, shift):
-    """factor * score - shift in float32 with the product rounded first: never contracted
-    into one FMA, whose exact product would leave up to half an ulp of it against a shift
-    that is a rounded product, 2 ** 47 at scores of 1e21."""
+    """factor * score - shift in float32, never contracted into one FMA
+    (`emit_scaled_minus`)."""
     sig = types.float32(types.float32, types.float32, types.float32)
 
     def codegen(context, builder, signature, args):
-        score, factor, shift = args
-        product = builder.fmul(score, factor, flags=NO_CONTRACT)
-        return builder.fsub(product, shift, flags=NO_CONTRACT)
+        return emit_scaled_minus(builder, *args)
 
     return sig, codegen
 

@@ -47,9 +47,11 @@ def folder_stamp(folder: str = KERNELS_FOLDER) -> str:
     there. numba stamps a cached kernel with its own file alone, but inlines the helpers of
     other files into it: after an edit to a helper module (or a `git pull` that changes
     one) the kernels of the other files kept their stale code, silently."""
-    paths = sorted(glob.glob(os.path.join(folder, "*.py")))
-    return _hash_of(tuple((path, os.stat(path).st_mtime_ns, os.stat(path).st_size)
-                          for path in paths))  # fmt: skip
+    files = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.py"))):
+        stat = os.stat(path)
+        files.append((path, stat.st_mtime_ns, stat.st_size))
+    return _hash_of(tuple(files))
 
 
 @functools.lru_cache(maxsize=16)

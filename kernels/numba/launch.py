@@ -35,16 +35,11 @@ _PARALLEL_REGION = threading.Lock()
 _NUMBA_THREADS = threading.local()
 
 
-class _Forked:
-    """Whether this process was forked from one whose numba threads had started: GNU
-    OpenMP's threads do not survive a fork, and numba ends such a child at its first
-    parallel region ("fork() called from a process already using GNU OpenMP"). torch runs
-    single-threaded there; so do the kernels (a DataLoader worker forked after a step)."""
-
-    after_parallel = False
-
-
-_FORKED = _Forked()
+# Whether this process was forked from one whose numba threads had started: GNU OpenMP's
+# threads do not survive a fork, and numba ends such a child at its first parallel region
+# ("fork() called from a process already using GNU OpenMP"). torch runs single-threaded
+# there; so do the kernels (a DataLoader worker forked after a step).
+_FORKED_AFTER_PARALLEL = False
 
 
 @functools.cache
@@ -53,8 +48,8 @@ def _watch_forks() -> None:
     kernel: a fork before it leaves the child free to start threads of its own)."""
 
     def in_child() -> None:
-        global _PARALLEL_REGION
-        _FORKED.after_parallel = True
+        global _FORKED_AFTER_PARALLEL, _PARALLEL_REGION
+        _FORKED_AFTER_PARALLEL = True
         _PARALLEL_REGION = threading.Lock()  # another thread may have held it at the fork
 
     os.register_at_fork(after_in_child=in_child)
@@ -64,7 +59,7 @@ def run_parallel(kernel, *args) -> None:
     """Run a prange kernel on torch's thread count, BLAS on one thread inside it; in a
     process forked after the threads started, on its calling thread (`jit.serial`)."""
     _, controller = setup()
-    if _FORKED.after_parallel:
+    if _FORKED_AFTER_PARALLEL:
         serial(kernel)(*args)
         return
     _watch_forks()

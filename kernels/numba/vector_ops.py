@@ -3,7 +3,7 @@ down transposed tiles, bf16 rounding, mask blocks added to a tile."""
 
 from __future__ import annotations
 
-from attnperf.kernels.numba.fastmath import EXP2_BF16_COEFFS, EXP2_COEFFS, NO_CONTRACT
+from attnperf.kernels.numba.fastmath import EXP2_BF16_COEFFS, EXP2_COEFFS, emit_scaled_minus
 from attnperf.kernels.numba.jit import cgutils, intrinsic, ir, types
 from attnperf.kernels.numba.microkernels import (
     LANES,
@@ -124,16 +124,6 @@ def _exp2_vector(builder, t, coefficients):
     return builder.select(below, ir.Constant(f32x16, [0.0] * LANES), scaled)
 
 
-def _scaled_minus(builder, scores, factors, shifts):
-    """factor s - shift with the product rounded first, never one FMA: the shift is a
-    rounded product (the row's largest factor s), so the row's largest score gets exactly 0
-    and no other one more. Fused, the product's exact value leaves up to half an ulp of it
-    against the shift: 2 ** 47 at scores of 1e21 (scale=1e20), whose exp2 was inf (and the
-    row NaN) or 0 for the row's largest key. `NO_CONTRACT`: see fastmath.scaled_minus."""
-    product = builder.fmul(scores, factors, flags=NO_CONTRACT)
-    return builder.fsub(product, shifts, flags=NO_CONTRACT)
-
-
 @intrinsic
 def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at, total):
     """Softmax probabilities of 16 query rows for two keys, explicitly on 16-lane vectors:
@@ -167,7 +157,7 @@ def exp2_pairs_to_bf16(typingctx, s_t, at, stride, shift, row, factor, p_t, p_at
         probabilities = []
         for offset in (at, builder.add(at, stride)):
             scores = builder.load(vector_at(arg_types[0], s_t, offset, f32x16), align=4)
-            t = _scaled_minus(builder, scores, factors, shifts)
+            t = emit_scaled_minus(builder, scores, factors, shifts)
             probabilities.append(_exp2_vector(builder, t, EXP2_BF16_COEFFS))
         even, odd = probabilities
         sums = vector_at(arg_types[8], total, row, f32x16)
@@ -215,7 +205,7 @@ def exp2_columns(typingctx, s_t, cols, row, shift, factor, total):
         with cgutils.for_range(builder, cols) as loop:
             at = builder.bitcast(builder.gep(origin, [builder.mul(loop.index, stride)]),
                                  f32x16.as_pointer())  # fmt: skip
-            t = _scaled_minus(builder, builder.load(at, align=4), factors, shifts)
+            t = emit_scaled_minus(builder, builder.load(at, align=4), factors, shifts)
             p = _exp2_vector(builder, t, EXP2_COEFFS)
             builder.store(p, at, align=4)
             builder.store(builder.fadd(builder.load(running), p), running)
