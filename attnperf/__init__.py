@@ -1,5 +1,7 @@
 """attnperf: exact, fast attention kernels behind one SDPA-compatible call."""
 
+import torch
+
 from attnperf import layouts, nn
 from attnperf.api import (
     attention,
@@ -13,7 +15,9 @@ from attnperf.api import (
 from attnperf.dispatch import BackendNotSupportedError
 from attnperf.layouts import BlockMask, block_mask
 from attnperf.serving import dequantize_kv, quantize_kv
-from attnperf.version import __version__
+from attnperf.version import __version__, warn_on_untested_torch
+
+warn_on_untested_torch(torch.__version__)
 
 __all__ = [
     "BackendNotSupportedError",

@@ -1,10 +1,12 @@
-"""`attnperf` command line: `info` (the capability table), `smoke`, `bench` and `tune`."""
+"""`attnperf` command line: `info` (the capability table), `warmup`, `smoke`, `bench` and
+`tune`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 
 import attnperf
-from attnperf import cpu_table, dispatch
+from attnperf import cpu_table, dispatch, warmup
 from attnperf.bench import linear, serving, summary, tune
 from attnperf.bench.beyond import beyond_sdpa
 from attnperf.bench.report import (
@@ -22,11 +24,13 @@ from attnperf.bench.report import (
     compare_to_baseline,
     decode_table,
     decode_title,
+    dtypes_plot,
     fit_rows,
     left_out_note,
     peak_text,
     sgemm_text,
     table_rows,
+    verdict,
     write_report,
 )
 from attnperf.bench.sweep import (
@@ -73,6 +77,24 @@ def numba_tile_routes() -> list[str]:
         route, why = tile_route(kind)
         lines.append(f"numba tiles, {dtypes}: {route} ({why})")
     return lines
+
+
+def warmup_command(args: argparse.Namespace) -> int:
+    """Compile numba's kernels for this CPU, the jobs in parallel, a line as each ends."""
+    if NUMBA_MISSING:
+        print(f"attnperf warmup: nothing to compile, numba backend unavailable: {NUMBA_MISSING}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    names = tuple(warmup.JOBS) if args.all else warmup.DEFAULT_JOBS
+    workers = min(args.workers, len(names))
+    cpu = cpu_description()
+    print(f"attnperf warmup: compiling numba's kernels for {cpu['cpu_model']} "
+          f"({cpu['vector_isa']}) into {warmup.cache_folder()}: {len(names)} jobs on "
+          f"{workers} processes; once per machine, ~1 min a job on its first run",
+          flush=True)  # fmt: skip
+    seconds = warmup.warmup(names, workers, lambda line: print(line, flush=True))
+    print(f"done in {seconds:.0f} s; a process loads a compiled kernel in about a second")
+    return 0
 
 
 def smoke(device: str) -> int:
@@ -164,7 +186,7 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
         dtype=dtypes[0],
         causal={"no": (False,), "yes": (True,), "both": (False, True)}[args.causal],
         passes=PASSES if args.pass_ == "both" else (args.pass_,),
-        backends=tuple(args.backends or dispatch.registry()),
+        backends=tuple(args.backends or (n for n in dispatch.registry() if n != "reference")),
         device=args.device,
         rounds=args.rounds if args.rounds is not None else (7 if args.quick else 3),
         threads=args.threads or torch.get_num_threads(),
@@ -184,13 +206,33 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
             table.add_row(*row)
         console.print(table)
 
+    with_beyond = args.beyond and not (args.quick or config.describe_variant()
+                                       or config.device != "cpu")  # fmt: skip
+    jobs = warmup.jobs_for(dtypes, decoding=with_beyond)
+    if "numba" in config.backends and not NUMBA_MISSING and config.device == "cpu":
+        console.print(f"compiling numba's kernels for {', '.join(dtypes)} on this CPU (once per "
+                      "machine, ~2 min on 2 cores; `attnperf warmup` does it ahead)",
+                      highlight=False)  # fmt: skip
+        warmup.warmup(jobs, min(len(jobs), os.cpu_count() or 1),
+                      lambda line: console.print(line, style="dim", highlight=False))  # fmt: skip
     points_per_dtype = (len(config.lengths) * len(config.causal) * len(config.passes)
                         * 2 * len(config.backends))  # fmt: skip
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=points_per_dtype * len(dtypes))
-        sweeps = [run_sweep(replace(config, dtype=dtype),
-                            lambda done: progress.update(task, advance=1, description=done))
-                  for dtype in dtypes]  # fmt: skip
+    total = points_per_dtype * len(dtypes)
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("benchmarking", total=total)
+        done = [0]
+
+        def on_progress(dtype):
+            def step(what):
+                done[0] += 1
+                if console.is_terminal:
+                    progress.update(task, advance=1, description=f"{dtype} {what}")
+                else:  # a log: a line a step
+                    console.print(f"[{done[0]}/{total}] {dtype} {what}", highlight=False)
+
+            return step
+
+        sweeps = [run_sweep(replace(config, dtype=dtype), on_progress(dtype)) for dtype in dtypes]
     reports = []
     for dtype, points in zip(dtypes, sweeps, strict=True):
         dtype_config = replace(config, dtype=dtype)
@@ -203,7 +245,7 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
         show(fit_rows(report), f"growth in L ({dtype}): value ~ L^k")
         reports.append(report)
     console.print(FIT_NOTE, highlight=False)
-    if not (args.quick or args.no_beyond or config.describe_variant() or config.device != "cpu"):
+    if with_beyond:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("beyond SDPA", total=None)
             beyond = beyond_sdpa(
@@ -217,6 +259,9 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
         folder = Path(args.out) if index == 0 else Path(args.out) / dtype
         written = write_report(report, folder)
         console.print("report: " + ", ".join(str(path) for path in written), highlight=False)
+    if len(reports) > 1:
+        path = dtypes_plot(reports, Path(args.out) / "time_vs_length_dtypes.png")
+        console.print(f"plot of the dtypes side by side: {path}", highlight=False)
     if baseline is not None:
         compared = baseline["config"].get("dtype", "float32")
         report = next((r for r in reports if r["config"]["dtype"] == compared), None)
@@ -226,6 +271,11 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
             console.print(f"WARNING {warning}", style="yellow", highlight=False)
         if not warnings:
             console.print(f"no regression against {args.baseline} beyond measured noise")
+    lines = verdict(reports)
+    if lines:
+        console.print("\nverdict:", style="bold", highlight=False)
+        for line in lines:
+            console.print("  " + line, highlight=False)
     return 0
 
 
@@ -462,6 +512,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnperf", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="print every backend's capabilities and availability")
+    w = commands.add_parser(
+        "warmup", help="compile numba's kernels for this CPU once, ahead of the first calls "
+        "(float32 and bfloat16: ~2 min on 2 cores)")  # fmt: skip
+    w.add_argument(
+        "--all",
+        action="store_true",
+        help="also float16, masks, int8 caches, varlen and linear attention",
+    )
+    w.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
+                   help="processes compiling at once (default: the CPU's cores)")  # fmt: skip
     smoke_parser = commands.add_parser("smoke", help="one small call on every available backend")
     smoke_parser.add_argument("--device", type=device_name, default="cpu")
     b = commands.add_parser(
@@ -475,10 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--quick", action="store_true",
                    help="L in 256..1024, 7 rounds, no 'beyond SDPA' section (for CI)")  # fmt: skip
-    b.add_argument("--no-beyond", action="store_true",
-                   help="leave out the default sweep's 'beyond SDPA' section (~1 min): a "
-                        "sliding window against FlexAttention, a decode step against SDPA's "
-                        "two forms")  # fmt: skip
+    b.add_argument("--beyond", action="store_true",
+                   help="add the 'beyond SDPA' section (~1 min): a sliding window against "
+                        "FlexAttention, a decode step against SDPA's two forms")  # fmt: skip
+    b.add_argument("--no-beyond", action="store_true", help=argparse.SUPPRESS)  # the default
     b.add_argument("--decode", action="store_true",
                    help="KV-cache decoding, one query token, Llama-3-8B heads: numba vs SDPA "
                         "(group packed as rows, and enable_gqa) per cache length (--lengths, "
@@ -508,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--pass", dest="pass_", default="both",
                    choices=["forward", "forward+backward", "both"])  # fmt: skip
     b.add_argument("--backends", nargs="+", choices=[*dispatch.registry(), *PEERS],
-                   help="default: every registered backend; 'flex': torch's FlexAttention "
+                   help="default: every registered backend but the reference (its L x S "
+                        "scores: minutes at L = 2048); 'flex': torch's FlexAttention "
                         "compiled, as a peer")  # fmt: skip
     b.add_argument(
         "--window",
@@ -554,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in numba_tile_routes():
             print(line)
         return 0
+    if args.command == "warmup":
+        return warmup_command(args)
     if args.command == "tune":
         if args.threads:
             torch.set_num_threads(args.threads)

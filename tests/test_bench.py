@@ -13,9 +13,11 @@ from attnperf.bench import linear, serving, summary, sweep
 from attnperf.bench.report import (
     build_report,
     compare_to_baseline,
+    dtypes_plot,
     left_out_note,
     local_exponent,
     table_rows,
+    verdict,
     write_report,
 )
 from attnperf.bench.sweep import BenchConfig, Measurement, attention_flops, fit_exponent, run_sweep
@@ -281,6 +283,25 @@ def test_report_gives_each_point_its_share_of_the_peak():
     extra = report["benchmarks"][0]["extra_info"]
     assert extra["of_peak"] == pytest.approx(0.5) and extra["of_sgemm"] == pytest.approx(2.0)
     assert "50%" in table_rows(report)[1]
+
+
+def test_the_verdict_gives_numbas_range_against_sdpa_per_dtype_and_pass(tmp_path):
+    """The lines a sweep ends on: the range over L of numba's speed against SDPA's, and of
+    its share of the peak, per dtype and pass, then the machine; a plot of the dtypes."""
+    reports = []
+    for dtype, numba_times in (("float32", (0.5, 0.8)), ("bfloat16", (0.25, 0.25))):
+        points = [point("sdpa", 256, 1.0), point("sdpa", 512, 1.0)]
+        points += [point("numba", 256, numba_times[0]), point("numba", 512, numba_times[1])]
+        reports.append(build_report(BenchConfig(lengths=(256, 512), dtype=dtype), points,
+                                    peak_gflops=10.0))  # fmt: skip
+    lines = verdict(reports)
+    assert lines[0] == ("numba vs SDPA, float32 forward: 1.25-2.00x SDPA's speed (L 256-512), "
+                        "12-20% of the fp32 FMA peak")  # fmt: skip
+    assert lines[1].startswith("numba vs SDPA, bfloat16 forward: 4.00x SDPA's speed")
+    assert len(lines) == 3 and "threads" in lines[2]
+    assert verdict([build_report(BenchConfig(), [point("sdpa", 256, 1.0)])]) == []
+    path = dtypes_plot(reports, tmp_path / "plot.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_peak_rate_is_the_dtype_s_and_positive():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnperf import cli, dispatch
+from attnperf import cli, dispatch, warmup
 from attnperf.bench import summary
 
 SCRIPT = Path(sys.executable).parent / "attnperf"
@@ -96,13 +96,16 @@ def test_cuda_without_a_gpu_is_refused_clearly(command, tmp_path):
 
 def test_bench_sweeps_fp32_and_bf16_by_default_each_in_its_report(tmp_path):
     result = run(sys.executable, "-m", "attnperf", "bench", "--backends", "sdpa", "--lengths",
-                 "32", "--pass", "forward", "--rounds", "1", "--no-beyond", "--out", "out",
+                 "32", "--pass", "forward", "--rounds", "1", "--out", "out",
                  cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     for folder, dtype in (("out", "float32"), ("out/bfloat16", "bfloat16")):
         report = json.loads((tmp_path / folder / "report.json").read_text())
         assert report["config"]["dtype"] == dtype
         assert f"attnperf bench: {dtype}" in result.stdout
+    # Not a terminal: a line a step, for a log.
+    assert "[1/4] float32 sdpa L=32 forward (time)" in result.stdout
+    assert "[4/4] bfloat16 sdpa L=32 forward (memory)" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -128,3 +131,22 @@ def test_bench_summary_takes_its_own_rounds_unless_asked(args, rounds, monkeypat
     monkeypatch.setattr(summary, "summary_rows", rows)
     assert cli.main(["bench", "--summary", *args]) == 0
     assert asked == [rounds] and summary.ROUNDS > 3
+
+
+def test_warmup_runs_its_jobs_in_workers_and_says_each_as_it_ends():
+    """A job is public calls in a spawned process, which compile (or load) the kernels a
+    user's calls of that kind run; the cheapest job stands for them here."""
+    lines = []
+    job = "float32 under a mask (bool, float)"
+    seconds = warmup.warmup((job,), 1, lines.append)
+    assert len(lines) == 1 and lines[0].startswith(f"[1/1] {job}: "), lines
+    assert lines[0].endswith(("cached already", " s")) and seconds > 0
+
+
+def test_warmup_compiles_float32_and_bfloat16_unless_asked_for_all(monkeypatch, capsys):
+    asked = []
+    monkeypatch.setattr(warmup, "warmup", lambda names, workers, say: asked.append(names) or 1.0)
+    assert cli.main(["warmup"]) == 0 and cli.main(["warmup", "--all"]) == 0
+    assert [names[0].split(":")[0] for names in asked] == ["float32", "float32"]
+    assert asked[0] == warmup.DEFAULT_JOBS and asked[1] == tuple(warmup.JOBS)
+    assert "done in" in capsys.readouterr().out

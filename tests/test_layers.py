@@ -22,7 +22,8 @@ LAYERS = (
     ("nn, distributed, integrations",
      ("attnperf.nn", "attnperf.distributed", "attnperf.integrations", "attnperf.integrations.*",
       "attnperf")),
-    ("tooling", ("attnperf.bench", "attnperf.bench.*", "attnperf.cli", "attnperf.__main__")),
+    ("tooling", ("attnperf.bench", "attnperf.bench.*", "attnperf.warmup", "attnperf.cli",
+                 "attnperf.__main__")),
 )  # fmt: skip
 TOOLING = LAYERS[-1][0]
 

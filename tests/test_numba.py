@@ -270,6 +270,40 @@ def test_a_kernels_cache_stamp_covers_every_module_of_its_folder(tmp_path):
     assert locator.get_source_stamp() == jit.folder_stamp()
 
 
+COMPILE_NOTE_PROBE = """
+import sys
+from attnperf.kernels.numba import jit
+jit.KERNELS_FOLDER, jit.COMPILE_NOTE_AFTER_S = sys.argv[1], float(sys.argv[2])
+sys.path.insert(0, sys.argv[1])
+import tiny
+print(tiny.twice(21))
+"""
+
+
+@pytest.mark.parametrize("after_s", [0.0, 60.0])
+def test_a_long_compile_says_so_once_on_stderr(tmp_path, after_s):
+    """A first call that compiles for long prints one line (what, how long); the next
+    process loads the kernel from the disk cache and prints nothing; a short compile
+    (here: shorter than the note's delay) prints nothing either."""
+    (tmp_path / "tiny.py").write_text(
+        "from attnperf.kernels.numba.jit import njit\n\n\n@njit()\ndef twice(x):\n"
+        "    return 2 * x\n"
+    )
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    command = [sys.executable, "-c", COMPILE_NOTE_PROBE, str(tmp_path), str(after_s)]
+    runs = [subprocess.run(command, env=env, capture_output=True, text=True, timeout=300,
+                           check=True) for _ in range(2)]  # fmt: skip
+    assert [run.stdout for run in runs] == ["42\n", "42\n"]
+    if after_s:
+        assert [run.stderr for run in runs] == ["", ""]
+        return
+    first = runs[0].stderr.splitlines()
+    assert len(first) == 1, runs[0].stderr
+    assert first[0].startswith("attnperf: numba compiles twice for this CPU, once")
+    assert first[0].endswith(" s")
+    assert runs[1].stderr == ""
+
+
 def test_the_first_parallel_kernel_leaves_torch_its_thread_count():
     """numba's pool, started by the process's first parallel kernel, shares GNU OpenMP with
     torch: the caller's torch.set_num_threads(1) must still hold after it."""

@@ -1,9 +1,14 @@
-"""`kernels/` installs as `attnperf.kernels`, never as a top-level `kernels` module."""
+"""`kernels/` installs as `attnperf.kernels`, never as a top-level `kernels` module; the
+import has no side effects but a warning for an untested torch."""
 
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import pytest
+
+from attnperf.version import torch_warning, warn_on_untested_torch
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = "import attnperf.kernels.reference as m, importlib.util as u; print(m.__file__); " \
@@ -60,3 +65,22 @@ def test_import_has_no_side_effects(tmp_path):
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, check=True
     )
     assert result.stdout.split("\n")[:2] == ["[]", "False"]
+
+
+@pytest.mark.parametrize(
+    "version, tested", [("2.13.0+cpu", True), ("2.14.1", True), ("2.12.1", False),
+                        ("2.15.0", False), ("3.0.0", False)],
+)  # fmt: skip
+def test_a_torch_outside_the_tested_range_is_named_in_a_warning(version, tested):
+    reason = torch_warning(version)
+    assert (reason is None) == tested
+    if not tested:
+        assert f"torch {version} may work, but is not tested" in reason
+        with pytest.warns(UserWarning, match="is tested with torch 2.13 and 2.14"):
+            warn_on_untested_torch(version)
+
+
+def test_the_torch_under_test_imports_without_a_warning(tmp_path):
+    result = subprocess.run([sys.executable, "-W", "error", "-c", "import attnperf"],
+                            capture_output=True, text=True, cwd=tmp_path, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr

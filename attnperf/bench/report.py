@@ -365,6 +365,80 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def _span(values: list[float], spec: str) -> str:
+    low, high = min(values), max(values)
+    return f"{low:{spec}}" if f"{low:{spec}}" == f"{high:{spec}}" else f"{low:{spec}}-{high:{spec}}"
+
+
+def verdict(reports: list[dict], backend: str = "numba") -> list[str]:
+    """A few lines that end the sweep: per dtype, pass and mask, the range over L of
+    `backend`'s speed against SDPA, and of its share of the chip's peak, on this machine."""
+    lines = []
+    for report in reports:
+        cases = {}
+        for entry in (b["extra_info"] for b in report["benchmarks"]):
+            if entry["backend"] == backend and entry["speed_vs_sdpa"]:
+                cases.setdefault((entry["pass"], entry["causal"]), []).append(entry)
+        dtype = report["config"]["dtype"]
+        for (pass_, causal), entries in sorted(cases.items()):
+            speeds = [e["speed_vs_sdpa"] for e in entries]
+            lengths = sorted(e["length"] for e in entries)
+            case = f"{dtype} {pass_}{', causal' if causal else ''}"
+            text = (f"{backend} vs SDPA, {case}: {_span(speeds, '.2f')}x SDPA's speed "
+                    f"(L {lengths[0]}-{lengths[-1]})")  # fmt: skip
+            peaks = [e["of_peak"] for e in entries if e.get("of_peak")]
+            if peaks:
+                text += (f", {_span([100 * p for p in peaks], '.0f')}% of the "
+                         f"{report.get('peak_kind', 'fp32 FMA')} peak")  # fmt: skip
+            lines.append(text)
+    if lines:
+        machine = reports[0]["machine_info"]
+        where = (f"{machine['cpu_model']} ({machine['vector_isa']}), {machine['threads']} threads"
+                 if machine["device"] == "cpu" else machine["device"])  # fmt: skip
+        lines.append(f"(> 1x: faster than SDPA; measured here: {where})")
+    return lines
+
+
+def dtypes_plot(reports: list[dict], path: Path, backend: str = "numba") -> Path:
+    """One figure of time against L: `backend` and SDPA in each dtype, a panel per pass
+    (the README's plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    passes = sorted({b["extra_info"]["pass"] for r in reports for b in r["benchmarks"]},
+                    key=lambda p: p != "forward")  # fmt: skip
+    fig, axes = plt.subplots(1, len(passes), figsize=(6 * len(passes), 4.5), squeeze=False)
+    colors = {"float32": "tab:blue", "bfloat16": "tab:green", "float16": "tab:purple"}
+    for ax, pass_ in zip(axes[0], passes, strict=True):
+        for report in reports:
+            dtype = report["config"]["dtype"]
+            for name, style in ((backend, "-"), (PEER, "--")):
+                series = sorted((e["length"], e["median_s"] * 1e3)
+                                for e in (b["extra_info"] for b in report["benchmarks"])
+                                if e["backend"] == name and e["pass"] == pass_
+                                and not e["causal"] and e["median_s"])  # fmt: skip
+                if series:
+                    ax.plot(*zip(*series, strict=True), style, marker="o", color=colors.get(dtype),
+                            label=f"{name} {dtype}")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length L = S")
+        ax.set_ylabel("time per call (ms)")
+        ax.set_title(pass_)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    config, machine = reports[0]["config"], reports[0]["machine_info"]
+    fig.suptitle(f"attnperf bench: B={config['batch']}, H={config['heads']}, "
+                 f"E={config['head_dim']}; {machine['cpu_model']} ({machine['vector_isa']}), "
+                 f"{machine['threads']} threads")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_report(report: dict, out_dir: Path) -> list[Path]:
     """report.json, report.md and the two PNG plots under `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import math
 import os
+import sys
+import threading
+import time
 import types as pytypes
 
 import numpy as np
@@ -15,14 +19,15 @@ try:
     import scipy  # noqa: F401  (scipy's BLAS serves when torch exports no sgemm)
     from llvmlite import binding as llvm_binding
     from llvmlite import ir
-    from numba.core import caching, cgutils, types
+    from numba.core import caching, cgutils, event, types
     from numba.core.codegen import get_host_cpu_features as numba_host_features
     from numba.extending import intrinsic, overload
     from numba.np.arrayobj import populate_array
 
     MISSING = None
 except ImportError as error:
-    numba = caching = cgutils = ir = llvm_binding = numba_host_features = populate_array = None
+    numba = caching = cgutils = event = ir = llvm_binding = numba_host_features = None
+    populate_array = None
     types = None
     MISSING = f"numba and scipy are needed ({error}); pip install 'attnperf[cpu]'"
 
@@ -36,6 +41,7 @@ def njit(**options):
     if numba is None:
         return lambda function: function
     _stamp_kernels_by_folder()
+    _note_compiles()
     return numba.njit(cache=True, nogil=True, error_model="numpy", **options)
 
 
@@ -92,6 +98,66 @@ def _stamp_kernels_by_folder() -> None:
             ordered.append(type(f"Folder{locator.__name__}", (_FolderStamp, locator), {}))
         ordered.append(locator)
     impl._locator_classes = ordered
+
+
+# A kernel's compile still running after this long says so on stderr, once, in one line.
+COMPILE_NOTE_AFTER_S = 2.0
+
+
+class _CompileNote:
+    """numba's compile events, as one line on stderr for a kernel of this folder whose
+    compile takes long: a first call in an environment waits tens of seconds, which a
+    user should not have to guess at. A cache hit raises no event, so a kernel speaks once
+    per machine (until its sources change). Short compiles (helpers, small kernels) stay
+    silent; nested compiles belong to their outermost."""
+
+    def __init__(self):
+        self.depth = 0
+        self.timer = None
+        self.said = False
+
+    def on_start(self, event_):
+        self.depth += 1
+        if self.depth == 1:
+            self._start(event_.data["dispatcher"].py_func)
+
+    def on_end(self, event_):
+        self.depth -= 1
+        if self.depth == 0:
+            self._end()
+
+    def _start(self, function):
+        if os.path.dirname(os.path.abspath(function.__code__.co_filename)) != KERNELS_FOLDER:
+            return
+        self.started, self.said = time.perf_counter(), False
+        name = function.__qualname__
+
+        def say():
+            self.said = True
+            print(f"attnperf: numba compiles {name} for this CPU, once (cached for later "
+                  "processes; `attnperf warmup` compiles ahead) ...", end="", file=sys.stderr,
+                  flush=True)  # fmt: skip
+
+        if COMPILE_NOTE_AFTER_S <= 0:
+            say()
+        elif math.isfinite(COMPILE_NOTE_AFTER_S):
+            self.timer = threading.Timer(COMPILE_NOTE_AFTER_S, say)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _end(self):
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer.join()
+            self.timer = None
+        if self.said:
+            print(f" {time.perf_counter() - self.started:.1f} s", file=sys.stderr, flush=True)
+            self.said = False
+
+
+@functools.cache
+def _note_compiles() -> None:
+    event.register("numba:compile", type("CompileNote", (_CompileNote, event.Listener), {})())
 
 
 @functools.cache
