@@ -210,8 +210,8 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
                                        or config.device != "cpu")  # fmt: skip
     jobs = warmup.jobs_for(dtypes, decoding=with_beyond)
     if "numba" in config.backends and not NUMBA_MISSING and config.device == "cpu":
-        console.print(f"compiling numba's kernels for {', '.join(dtypes)} on this CPU (once per "
-                      "machine, ~2 min on 2 cores; `attnperf warmup` does it ahead)",
+        console.print(f"numba's kernels for {', '.join(dtypes)} on this CPU (compiled once per "
+                      "machine, ~1.5 min on 2 cores; `attnperf warmup` does it ahead):",
                       highlight=False)  # fmt: skip
         warmup.warmup(jobs, min(len(jobs), os.cpu_count() or 1),
                       lambda line: console.print(line, style="dim", highlight=False))  # fmt: skip

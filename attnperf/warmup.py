@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
+from typing import NamedTuple
 
 import torch
 
@@ -76,19 +77,19 @@ def _linear() -> None:
                               backend="numba")  # fmt: skip
 
 
-# name -> the calls that compile it. A dtype's forward and backward are one job, since its
+# name -> the call that compiles it. A dtype's forward and backward are one job, since its
 # backward runs its forward (two workers would both compile it). The first four are what
 # most users run; jobs that share no kernel run in parallel.
-JOBS: dict[str, tuple[Callable[[], None], ...]] = {
-    "float32: forward, backward": (lambda: _dense(torch.float32, backward=True),),
-    "bfloat16: forward, backward": (lambda: _dense(torch.bfloat16, backward=True),),
-    "float32: decoding step": (lambda: _decoding(torch.float32),),
-    "bfloat16: decoding step": (lambda: _decoding(torch.bfloat16),),
-    "float16: forward, backward": (lambda: _dense(torch.float16, backward=True),),
-    "float32 under a mask (bool, float)": (_masked,),
-    "int8 cache: decoding step": (lambda: _decoding(torch.int8),),
-    "varlen: forward, backward": (_varlen,),
-    "linear attention: forward, backward, decoding step": (_linear,),
+JOBS: dict[str, Callable[[], None]] = {
+    "float32: forward, backward": lambda: _dense(torch.float32, backward=True),
+    "bfloat16: forward, backward": lambda: _dense(torch.bfloat16, backward=True),
+    "float32: decoding step": lambda: _decoding(torch.float32),
+    "bfloat16: decoding step": lambda: _decoding(torch.bfloat16),
+    "float16: forward, backward": lambda: _dense(torch.float16, backward=True),
+    "float32 under a mask (bool, float)": _masked,
+    "int8 cache: decoding step": lambda: _decoding(torch.int8),
+    "varlen: forward, backward": _varlen,
+    "linear attention: forward, backward, decoding step": _linear,
 }
 DEFAULT_JOBS = tuple(JOBS)[:4]
 
@@ -102,14 +103,19 @@ def jobs_for(dtypes: tuple[str, ...], decoding: bool) -> tuple[str, ...]:
     return tuple(name for name in JOBS if name in names)
 
 
-def run_job(name: str) -> float:
-    """In a worker: one job on one thread, its seconds."""
+class JobResult(NamedTuple):
+    seconds: float
+    compiled: bool  # numba compiled something (else every kernel came from the disk cache)
+
+
+def run_job(name: str) -> JobResult:
+    """In a worker: one job on one thread."""
     torch.set_num_threads(1)
     jit.COMPILE_NOTE_AFTER_S = float("inf")  # the warmup's own lines say it
     start = time.perf_counter()
-    for call in JOBS[name]:
-        call()
-    return time.perf_counter() - start
+    with jit.event.install_recorder("numba:compile") as compiles:  # none on a cache hit
+        JOBS[name]()
+    return JobResult(time.perf_counter() - start, bool(compiles.buffer))
 
 
 def warmup(names: tuple[str, ...], workers: int, say: Callable[[str], None]) -> float:
@@ -129,8 +135,8 @@ def warmup(names: tuple[str, ...], workers: int, say: Callable[[str], None]) -> 
                 if sys.stderr.isatty():
                     print("\r\033[K", end="", file=sys.stderr)  # the running line's place
                 done_count += 1
-                seconds = future.result()
-                how = "cached already" if seconds < 3 else f"compiled in {seconds:.0f} s"
+                result = future.result()
+                how = f"compiled in {result.seconds:.0f} s" if result.compiled else "cached already"
                 say(f"[{done_count}/{len(names)}] {name}: {how}")
             if running and not finished and sys.stderr.isatty():
                 elapsed = time.perf_counter() - start

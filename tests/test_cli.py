@@ -138,9 +138,11 @@ def test_warmup_runs_its_jobs_in_workers_and_says_each_as_it_ends():
     user's calls of that kind run; the cheapest job stands for them here."""
     lines = []
     job = "float32 under a mask (bool, float)"
-    seconds = warmup.warmup((job,), 1, lines.append)
-    assert len(lines) == 1 and lines[0].startswith(f"[1/1] {job}: "), lines
-    assert lines[0].endswith(("cached already", " s")) and seconds > 0
+    for _ in range(2):
+        assert warmup.warmup((job,), 1, lines.append) > 0
+    assert lines[0] in (f"[1/1] {job}: cached already", *(f"[1/1] {job}: compiled in {s} s"
+                                                         for s in range(1000)))  # fmt: skip
+    assert lines[1] == f"[1/1] {job}: cached already"  # compiled once, on disk since
 
 
 def test_warmup_compiles_float32_and_bfloat16_unless_asked_for_all(monkeypatch, capsys):

@@ -68,15 +68,15 @@ def test_import_has_no_side_effects(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "version, tested", [("2.13.0+cpu", True), ("2.14.1", True), ("2.12.1", False),
-                        ("2.15.0", False), ("3.0.0", False)],
+    "version, tested", [("2.13.0+cpu", True), ("2.14.1", True), ("2.15.0+cu132", True),
+                        ("2.12.1", False), ("2.16.0", False), ("3.0.0", False)],
 )  # fmt: skip
 def test_a_torch_outside_the_tested_range_is_named_in_a_warning(version, tested):
     reason = torch_warning(version)
     assert (reason is None) == tested
     if not tested:
         assert f"torch {version} may work, but is not tested" in reason
-        with pytest.warns(UserWarning, match="is tested with torch 2.13 and 2.14"):
+        with pytest.warns(UserWarning, match="is tested with torch 2.13, 2.14, 2.15"):
             warn_on_untested_torch(version)
 
 
