@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -220,15 +221,14 @@ def bench(args: argparse.Namespace, baseline: dict | None) -> int:
     total = points_per_dtype * len(dtypes)
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("benchmarking", total=total)
-        done = [0]
+        steps = itertools.count(1)
 
         def on_progress(dtype):
             def step(what):
-                done[0] += 1
                 if console.is_terminal:
                     progress.update(task, advance=1, description=f"{dtype} {what}")
                 else:  # a log: a line a step
-                    console.print(f"[{done[0]}/{total}] {dtype} {what}", highlight=False)
+                    console.print(f"[{next(steps)}/{total}] {dtype} {what}", highlight=False)
 
             return step
 

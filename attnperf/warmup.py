@@ -9,7 +9,6 @@ time: one job covers them all). The jobs run in parallel worker processes, one a
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 import attnperf
-from attnperf.kernels.numba import jit
+from attnperf.kernels.numba import fastmath, jit
 
 
 def _dense(dtype: torch.dtype, backward: bool) -> None:
@@ -146,5 +145,6 @@ def warmup(names: tuple[str, ...], workers: int, say: Callable[[str], None]) -> 
 
 
 def cache_folder() -> str:
-    """Where numba keeps the compiled kernels: NUMBA_CACHE_DIR, else beside their sources."""
-    return os.environ.get("NUMBA_CACHE_DIR") or os.path.join(jit.KERNELS_FOLDER, "__pycache__")
+    """Where numba keeps the compiled kernels, as its cache locator chose for one of them
+    (NUMBA_CACHE_DIR, beside the sources, or the user-wide folder where those are read-only)."""
+    return fastmath.exp2_shifted._cache._cache_path

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,8 +141,7 @@ def test_warmup_runs_its_jobs_in_workers_and_says_each_as_it_ends():
     job = "float32 under a mask (bool, float)"
     for _ in range(2):
         assert warmup.warmup((job,), 1, lines.append) > 0
-    assert lines[0] in (f"[1/1] {job}: cached already", *(f"[1/1] {job}: compiled in {s} s"
-                                                         for s in range(1000)))  # fmt: skip
+    assert re.fullmatch(rf"\[1/1\] {re.escape(job)}: (cached already|compiled in \d+ s)", lines[0])
     assert lines[1] == f"[1/1] {job}: cached already"  # compiled once, on disk since
 
 

@@ -317,13 +317,30 @@ def markdown(report: dict) -> str:
     )
 
 
-def plot(report: dict, out_dir: Path) -> list[Path]:
-    """Log-log time and peak-memory plots against L, one line per backend."""
+def _pyplot():
+    """matplotlib's pyplot on its file backend (no screen), imported when a plot is drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _log_axes(ax, ylabel: str, title: str) -> None:
+    """A panel against L on log-log axes, gridded, with its legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length L = S")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
+def plot(report: dict, out_dir: Path) -> list[Path]:
+    """Log-log time and peak-memory plots against L, one line per backend."""
+    plt = _pyplot()
     entries = [b["extra_info"] for b in report["benchmarks"] if b["extra_info"]["status"] == "ok"]
     panels = sorted({(e["pass"], e["causal"]) for e in entries})
     fits = {(f["backend"], f["pass"], f["causal"]): f for f in report["fits"]}
@@ -349,13 +366,7 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
                 exponent = fit.get("time_exponent" if metric == "median_s" else "memory_exponent")
                 name = f"{backend} (~L^{exponent:.2f})" if exponent is not None else backend
                 ax.plot(*zip(*series, strict=True), marker="o", label=name)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("sequence length L = S")
-            ax.set_ylabel(label)
-            ax.set_title(f"{pass_}, {'causal' if causal else 'full'}")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend()
+            _log_axes(ax, label, f"{pass_}, {'causal' if causal else 'full'}")
         fig.suptitle(f"attnperf on {report['machine_info']['device']}")
         fig.tight_layout()
         path = out_dir / ("time_vs_length.png" if metric == "median_s" else "memory_vs_length.png")
@@ -402,11 +413,7 @@ def verdict(reports: list[dict], backend: str = "numba") -> list[str]:
 def dtypes_plot(reports: list[dict], path: Path, backend: str = "numba") -> Path:
     """One figure of time against L: `backend` and SDPA in each dtype, a panel per pass
     (the README's plot)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     passes = sorted({b["extra_info"]["pass"] for r in reports for b in r["benchmarks"]},
                     key=lambda p: p != "forward")  # fmt: skip
     fig, axes = plt.subplots(1, len(passes), figsize=(6 * len(passes), 4.5), squeeze=False)
@@ -422,13 +429,7 @@ def dtypes_plot(reports: list[dict], path: Path, backend: str = "numba") -> Path
                 if series:
                     ax.plot(*zip(*series, strict=True), style, marker="o", color=colors.get(dtype),
                             label=f"{name} {dtype}")  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length L = S")
-        ax.set_ylabel("time per call (ms)")
-        ax.set_title(pass_)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        _log_axes(ax, "time per call (ms)", pass_)
     config, machine = reports[0]["config"], reports[0]["machine_info"]
     fig.suptitle(f"attnperf bench: B={config['batch']}, H={config['heads']}, "
                  f"E={config['head_dim']}; {machine['cpu_model']} ({machine['vector_isa']}), "

@@ -48,6 +48,11 @@ def njit(**options):
 KERNELS_FOLDER = os.path.dirname(os.path.abspath(__file__))
 
 
+def in_kernels_folder(path: str) -> bool:
+    """Whether the source file `path` is a module of KERNELS_FOLDER."""
+    return os.path.dirname(os.path.abspath(path)) == KERNELS_FOLDER
+
+
 def folder_stamp(folder: str = KERNELS_FOLDER) -> str:
     """A hash of every module of `folder`, by content: the cache stamp of each kernel
     there. numba stamps a cached kernel with its own file alone, but inlines the helpers of
@@ -77,7 +82,7 @@ class _FolderStamp:
 
     @classmethod
     def from_function(cls, py_func, py_file):
-        if os.path.dirname(os.path.abspath(py_file)) != KERNELS_FOLDER:
+        if not in_kernels_folder(py_file):
             return None
         return super().from_function(py_func, py_file)
 
@@ -127,7 +132,7 @@ class _CompileNote:
             self._end()
 
     def _start(self, function):
-        if os.path.dirname(os.path.abspath(function.__code__.co_filename)) != KERNELS_FOLDER:
+        if not in_kernels_folder(function.__code__.co_filename):
             return
         self.started, self.said = time.perf_counter(), False
         name = function.__qualname__
