@@ -87,8 +87,7 @@ def attention(
                                    enable_gqa, backend, variants)  # fmt: skip
     plan = None if metadata is None else plans.dense_plan(metadata)
     if plan is not None:
-        inputs = plan.bind(query, key, value)
-        return inputs.restore(*plan.run(inputs))
+        return plan(query, key, value)
     outside_autocast = contextlib.nullcontext()
     if autocast is not None:
         # As SDPA under autocast: q, k, v in autocast's dtype; the kernels then run as asked.
@@ -99,10 +98,10 @@ def attention(
         inputs = prepare(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **variants
         )
-        chosen = dispatch.select(inputs, backend)
+        plan = plans.plan_dense(inputs, backend)
         if metadata is not None:
-            plans.keep_dense_plan(metadata, inputs, backend, chosen)
-        return inputs.restore(*chosen.run(inputs))
+            plans.keep_dense_plan(metadata, plan)
+        return plan.run(inputs)
 
 
 def attention_varlen(
@@ -139,7 +138,7 @@ def attention_varlen(
         scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, align=align,
         return_lse=return_lse, sinks=sinks,
     )  # fmt: skip
-    return dispatch.attend(inputs, backend)
+    return plans.plan_dense(inputs, backend).run(inputs)
 
 
 def attention_with_kvcache(
@@ -183,20 +182,23 @@ def attention_with_kvcache(
     (`quantize_kv`). k_new, v_new (in q's dtype) are then quantized by quantize_kv's rule
     as they are written, codes and scales. The output is in q's dtype.
     """
-    # The checks of the call's metadata are kept for a call that recurs (attnperf.plans);
-    # its lengths and the backend's choice are worked out every call, but for plain steps,
-    # which run on the chosen backend's step launcher once their values are checked.
-    metadata = plans.kvcache_key(
+    # A plain step (transformers' decoding) whose metadata was seen before runs on the
+    # chosen backend's step launcher once its values are checked. Other calls keep the
+    # checks of their metadata (attnperf.plans); their lengths and the backend's choice are
+    # worked out every call.
+    step_key = plans.kvcache_step_key(
         q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_leftpad, is_causal,
         scale, window, softcap, alibi_slopes, num_splits, return_lse, sinks, k_scale, v_scale,
+        backend,
     )  # fmt: skip
-    step_key = plans.kvcache_step_key(
-        metadata, backend, cache_seqlens, k_new, block_table, cache_leftpad, sinks
-    )
     step = None if step_key is None else plans.kept_kvcache_step(step_key, cache_seqlens)
     if step is not None:
         check_step(k_cache, v_cache, cache_seqlens)
         return step(q, k_cache, v_cache, cache_seqlens)
+    metadata = plans.kvcache_key(
+        q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_leftpad, is_causal,
+        scale, window, softcap, alibi_slopes, num_splits, return_lse, sinks, k_scale, v_scale,
+    )  # fmt: skip
     call = None if metadata is None else plans.kept_kvcache_call(metadata)
     if call is None:
         call = check_kvcache_call(
@@ -214,10 +216,12 @@ def attention_with_kvcache(
     chosen = dispatch.select(inputs, backend)
     append_to_cache(inputs)
     if step_key is not None and not inputs.needs_grad:
-        launch = chosen.kvcache_step(inputs)
-        if launch is not None:
+        # A plain step runs on the backend's step launcher, kept for the steps that follow.
+        step = chosen.kvcache_step(inputs)
+        if step is not None:
             lengths = dispatch.step_lengths(inputs, backend)
-            plans.keep_kvcache_step(step_key, backend, launch, lengths)
+            plans.keep_kvcache_step(step_key, backend, step, lengths)
+            return step(q, k_cache, v_cache, cache_seqlens)
     return inputs.restore(*chosen.run_kvcache(inputs))
 
 
@@ -231,11 +235,10 @@ def heads_first_step(
     decoding: q (B, Hq, Lq, E), caches (B, H, S, E)), run on the step launcher such a call
     kept, with no view made: out (B, Lq, Hq, Ev). None where no launcher is kept for it:
     the caller makes that call (checked, and keeping one)."""
-    metadata = plans.kvcache_key(
+    step_key = plans.kvcache_step_key(
         q, k_cache, v_cache, 0, None, None, None, None, True, scale, window, softcap, None, 0,
-        False, None, None, None, heads_first=True,
+        False, None, None, None, backend, heads_first=True,
     )  # fmt: skip
-    step_key = plans.kvcache_step_key(metadata, backend, 0, None, None, None, None)
     if step_key is None:
         return None
     length = k_cache.shape[2]

@@ -125,10 +125,20 @@ class Backend:
         """A forward launcher for the next calls with the metadata of an accepted call like
         `inputs` (whose checks found no tensor variant), or None (the default: each call
         runs whole). attnperf.plans keeps it per call metadata and passes it to a fused
-        backend's `run` (FusedBackend: forward(inputs) -> (out, stats), its own
-        `forward`'s contract, for a call with that metadata; stats may be None where the
-        metadata reads none: no gradient to come, no LSE asked)."""
+        backend's `run` or `run_kept` (FusedBackend: forward(query, key, value) -> (out,
+        stats, residual) as its own `forward` returns them, of a call with that metadata,
+        whose q, k, v are all it holds; stats may be None where the metadata reads none: no
+        gradient to come, no LSE asked)."""
         return None
+
+    def run_kept(
+        self, forward: Callable[..., object], query: Tensor, key: Tensor, value: Tensor,
+        return_lse: bool,
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """`run` of a call with the metadata `forward` (`forward_for`'s) was made for, where
+        no gradient is to come: from the call's 4-D q, k, v alone (its whole Python is a
+        short call's cost: no inputs record made)."""
+        raise NotImplementedError
 
     def run_kvcache(self, inputs: KVCacheInputs) -> tuple[Tensor, Tensor | None]:
         """(output (B, Hq, Lq, Ev), LSE (B, Hq, Lq) float32 when asked for, else None) of an
@@ -269,20 +279,36 @@ class FusedBackend(Backend):
         """`Backend.run`; `forward`: a launcher `forward_for` gave for the call's metadata,
         in place of the backend's own `forward`."""
         transformed = torch._C._are_functorch_transforms_active()
-        if forward is None or transformed:  # vmap folds its dim into the batch: new shapes
-            forward = self.forward
         # Without a gradient to come, the launcher alone: autograd.Function.apply binds its
         # arguments by signature (~60 us, half a short call). Under torch.func transforms
-        # (vmap) the Function's own rules must run, as its apply checks.
-        if not inputs.needs_grad and not transformed:
-            out, stats, _ = forward(inputs)
+        # (vmap) the Function's own rules must run, as its apply checks, on the backend's
+        # own forward (vmap folds its dim into the batch: shapes no kept forward was for).
+        if not transformed and not inputs.needs_grad:
+            if forward is not None:
+                return self.run_kept(forward, inputs.query, inputs.key, inputs.value,
+                                     inputs.variant.return_lse)  # fmt: skip
+            out, stats, _ = self.forward(inputs)
             return out, lse_from_stats(stats) if inputs.variant.return_lse else None
+        forward = self.forward if forward is None or transformed else _inputs_forward(forward)
         launchers = (forward, self.backward)
         out, lse, *_ = FusedAttention.apply(
             launchers, inputs, inputs.query, inputs.key, inputs.value, inputs.attn_mask,
             inputs.variant.sinks,
         )  # fmt: skip
         return out, lse if inputs.variant.return_lse else None
+
+    def run_kept(
+        self, forward: Callable[..., object], query: Tensor, key: Tensor, value: Tensor,
+        return_lse: bool,
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        out, stats, _ = forward(query, key, value)
+        return out, lse_from_stats(stats) if return_lse else None
+
+
+def _inputs_forward(forward: Callable[..., object]) -> Callable[[AttentionInputs], object]:
+    """A kept forward (`Backend.forward_for`'s, of q, k, v) as the backend's own `forward`
+    is called: of the inputs."""
+    return lambda inputs: forward(inputs.query, inputs.key, inputs.value)
 
 
 class FusedAttention(torch.autograd.Function):

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from attnperf import dispatch
 from attnperf.backend import Backend
-from attnperf.inputs import AttentionInputs, Variant
+from attnperf.inputs import AttentionInputs, Variant, restore_dense
 from attnperf.serving import KVCacheCall
 
 # Plans kept at most; past it they are dropped all at once (a model uses a handful).
@@ -59,22 +59,60 @@ class DensePlan:
     requested: str
     selection_state: tuple
     forward: Callable[..., object] | None  # the backend's `forward_for`: None, none kept
+    needs_grad: bool  # whether the calls of its metadata have a gradient to come
 
-    def run(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
-        """The backend's `run` of a call bound to this plan, on the kept forward if any."""
-        if self.forward is None:
-            return self.backend.run(inputs)
-        return self.backend.run(inputs, self.forward)
-
-    def bind(self, query: Tensor, key: Tensor, value: Tensor) -> AttentionInputs:
-        """The inputs of a call with this plan's metadata."""
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        """`attention` of a call with this plan's metadata: without a gradient to come, its
+        q, k, v on the kept forward alone (`Backend.run_kept`: no inputs record, ~2 us of a
+        short call's ~10), else its tensors bound, then run."""
         if self.shapes is not None:
             q_shape, k_shape, v_shape = self.shapes
             query, key, value = query.reshape(q_shape), key.reshape(k_shape), value.reshape(v_shape)
+        if (
+            not self.needs_grad
+            and self.forward is not None
+            and not torch._C._are_functorch_transforms_active()  # vmap: `FusedBackend.run`
+        ):
+            return_lse = self.variant.return_lse
+            out, lse = self.backend.run_kept(self.forward, query, key, value, return_lse)
+            return restore_dense(out, lse, self.out_shape, return_lse)
+        return self.run(self.bind(query, key, value))
+
+    def run(self, inputs: AttentionInputs) -> Tensor | tuple[Tensor, Tensor]:
+        """`attention`'s result of a call this plan was made for, or bound to it: the
+        backend's `run`, on the kept forward if any, in the caller's layout."""
+        if self.forward is None:
+            return inputs.restore(*self.backend.run(inputs))
+        return inputs.restore(*self.backend.run(inputs, self.forward))
+
+    def bind(self, query: Tensor, key: Tensor, value: Tensor) -> AttentionInputs:
+        """The inputs of a call with this plan's metadata, its q, k, v 4-D."""
         return AttentionInputs(
             query, key, value, None, self.dropout_p, self.is_causal, self.scale, self.enable_gqa,
             self.out_shape, self.variant,
         )  # fmt: skip
+
+
+def plan_dense(inputs: AttentionInputs, requested: str) -> DensePlan:
+    """The plan of a checked call (`prepare`'s inputs): the backend that serves `requested`
+    ("auto" or its name; `dispatch.select`) and, where the call has no tensor variant, its
+    forward for the next calls with its metadata (`Backend.forward_for`)."""
+    chosen = dispatch.select(inputs, requested)
+    given = (inputs.query.shape, inputs.key.shape, inputs.value.shape)
+    return DensePlan(
+        shapes=given,
+        dropout_p=inputs.dropout_p,
+        is_causal=inputs.is_causal,
+        scale=inputs.scale,
+        enable_gqa=inputs.enable_gqa,
+        out_shape=inputs.out_shape,
+        variant=inputs.variant,
+        backend=chosen,
+        requested=requested,
+        selection_state=dispatch.selection_state(requested),
+        forward=chosen.forward_for(inputs),
+        needs_grad=inputs.needs_grad,
+    )
 
 
 def _tensor_key(tensor: object, shape: tuple | None = None) -> tuple | None:
@@ -106,8 +144,13 @@ def dense_key(
 ) -> tuple | None:
     """The metadata an `attention` call's checks and backend choice depend on, or None
     where a plan cannot stand for them (a tensor variant, an argument of another type)."""
-    tensor_variants = (variants["alibi_slopes"], variants["block_mask"], variants["sinks"])
-    if attn_mask is not None or any(v is not None for v in tensor_variants):
+    # Written out, not looped: a short call's whole Python is ~10 us, and a generator ~0.5.
+    if (
+        attn_mask is not None
+        or variants["alibi_slopes"] is not None
+        or variants["block_mask"] is not None
+        or variants["sinks"] is not None
+    ):
         return None
     window, softcap = variants["window"], variants["softcap"]
     plain = (
@@ -117,18 +160,45 @@ def dense_key(
         and type(dropout_p) in _NUMBER
         and (scale is None or type(scale) in _NUMBER)
         and (softcap is None or type(softcap) in _NUMBER)
-        and _plain_window(window)
+        and (window is None or _plain_window(window))
         and type(variants["align"]) is str
         and type(backend) is str
+        and type(query) is Tensor
+        and type(key) is Tensor
+        and type(value) is Tensor
     )
-    tensors = (_tensor_key(query), _tensor_key(key), _tensor_key(value))
-    if not plain or None in tensors:
+    if not plain:
         return None
     return (
-        *tensors, dropout_p, is_causal, scale, enable_gqa, backend, window, softcap,
-        variants["align"], variants["return_lse"], torch.is_grad_enabled(),
+        (
+            query.shape,
+            query.dtype,
+            query.device,
+            query.layout,
+            query.is_nested,
+            query.requires_grad,
+        ),
+        (key.shape, key.dtype, key.device, key.layout, key.is_nested, key.requires_grad),
+        (
+            value.shape,
+            value.dtype,
+            value.device,
+            value.layout,
+            value.is_nested,
+            value.requires_grad,
+        ),
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        backend,
+        window,
+        softcap,
+        variants["align"],
+        variants["return_lse"],
+        torch.is_grad_enabled(),
         torch.get_num_threads(),
-    )  # fmt: skip
+    )  # fmt: skip (each tensor's as _tensor_key's, made in place: ~0.3 us a call)
 
 
 def dense_plan(key: tuple) -> DensePlan | None:
@@ -144,41 +214,23 @@ def _current(requested: str, selection_state: tuple) -> bool:
     return len(now) == len(selection_state) and all(map(operator.is_, selection_state, now))
 
 
-def keep_dense_plan(key: tuple, inputs: AttentionInputs, requested: str, chosen: Backend) -> None:
-    """Keep what a checked call found, for the next call with its metadata (`key`), where
-    `chosen` served `requested` ("auto" or its name)."""
-    shapes = (inputs.query.shape, inputs.key.shape, inputs.value.shape)
+def keep_dense_plan(key: tuple, plan: DensePlan) -> None:
+    """Keep a checked call's plan for the next call with its metadata (`key`): its 4-D
+    views made only where the key's shapes are not theirs."""
     given = tuple(tensor_key[0] for tensor_key in key[:3])
-    plan = DensePlan(
-        shapes=None if given == shapes else shapes,
-        dropout_p=inputs.dropout_p,
-        is_causal=inputs.is_causal,
-        scale=inputs.scale,
-        enable_gqa=inputs.enable_gqa,
-        out_shape=inputs.out_shape,
-        variant=inputs.variant,
-        backend=chosen,
-        requested=requested,
-        selection_state=dispatch.selection_state(requested),
-        forward=chosen.forward_for(inputs),
-    )
-    _keep(key, plan)
+    _keep(key, replace(plan, shapes=None) if given == plan.shapes else plan)
 
 
 def kvcache_key(
     q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_leftpad, is_causal,
     scale, window, softcap, alibi_slopes, num_splits, return_lse, sinks, k_scale, v_scale,
-    heads_first=False,
 ) -> tuple | None:  # fmt: skip
     """The metadata an attention_with_kvcache call's checks of metadata read
     (`serving.check_kvcache_call`), or None where a plan cannot stand for them (ALiBi
     slopes, an int8 cache's scales, an argument of another type). A contiguous cache's
     length is left out: a cache that grows by a row each step keeps its plan (its lengths
-    are checked against it per call). heads_first: q, k_cache and v_cache are given in
-    SDPA's (B, H, L, E) layout, a contiguous cache's; the key is their (B, L, H, E) views'."""
+    are checked against it per call)."""
     if alibi_slopes is not None or k_scale is not None or v_scale is not None:
-        return None
-    if heads_first and (block_table is not None or type(q) is not Tensor or q.dim() != 4):
         return None
     plain = (
         type(is_causal) is bool
@@ -197,16 +249,11 @@ def kvcache_key(
         k_shape, v_shape = k_cache.shape, v_cache.shape  # each read makes a torch.Size
         if len(k_shape) != 4 or len(v_shape) != 4:
             return None
-        heads = 1 if heads_first else 2
-        k_rows = (k_shape[0], k_shape[heads], k_shape[3])
-        v_rows = (v_shape[0], v_shape[heads], v_shape[3])
-    q_shape = None
-    if heads_first:
-        batch, q_heads, q_len, head_dim = q.shape
-        q_shape = torch.Size((batch, q_len, q_heads, head_dim))
+        k_rows = (k_shape[0], k_shape[2], k_shape[3])
+        v_rows = (v_shape[0], v_shape[2], v_shape[3])
     lengths = "int" if type(cache_seqlens) is int else _tensor_key(cache_seqlens)
     tensors = (
-        _tensor_key(q, q_shape), _tensor_key(k_cache, k_rows), _tensor_key(v_cache, v_rows),
+        _tensor_key(q), _tensor_key(k_cache, k_rows), _tensor_key(v_cache, v_rows),
         _optional_key(k_new), _optional_key(v_new), _optional_key(block_table), lengths,
         _optional_key(cache_leftpad), _optional_key(sinks),
     )  # fmt: skip
@@ -237,20 +284,59 @@ class KVCacheStep:
 
 
 def kvcache_step_key(
-    metadata: tuple | None, backend: object, cache_seqlens, k_new, block_table, cache_leftpad,
-    sinks,
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, cache_leftpad, is_causal,
+    scale, window, softcap, alibi_slopes, num_splits, return_lse, sinks, k_scale, v_scale,
+    backend, heads_first=False,
 ) -> tuple | None:  # fmt: skip
-    """The key of a backend's step launcher for calls with this metadata (`kvcache_key`),
-    or None where the call is no plain step: lengths not one int, new keys, a paged cache,
-    left padding, sinks. The launcher's work depends on the grad mode and the thread count
-    too."""
-    plain = (
-        type(backend) is str and type(cache_seqlens) is int and k_new is None
-        and block_table is None and cache_leftpad is None and sinks is None
-    )  # fmt: skip
-    if metadata is None or not plain:
+    """The key of a backend's step launcher (`Backend.kvcache_step`) for an
+    attention_with_kvcache call's metadata, or None where the call is no plain step: lengths
+    not one int, new keys, a paged cache, left padding, ALiBi, sinks, an int8 cache's
+    scales, an argument of another type. Each cache's length (dim 1) is left out, as in
+    `kvcache_key`; the grad mode and the thread count are in (the launcher's work depends
+    on them). heads_first: q, k_cache and v_cache given in SDPA's (B, H, L, E) layout; the
+    key is their (B, L, H, E) views'. Written out, not looped: a step's whole Python is a
+    few microseconds."""
+    if (
+        type(cache_seqlens) is not int
+        or k_new is not None
+        or v_new is not None
+        or block_table is not None
+        or cache_leftpad is not None
+        or alibi_slopes is not None
+        or sinks is not None
+        or k_scale is not None
+        or v_scale is not None
+    ):
         return None
-    return ("step", metadata, backend, torch.is_grad_enabled(), torch.get_num_threads())
+    plain = (
+        type(backend) is str
+        and type(is_causal) is bool
+        and type(return_lse) is bool
+        and type(num_splits) is int
+        and (scale is None or type(scale) in _NUMBER)
+        and (softcap is None or type(softcap) in _NUMBER)
+        and (window is None or _plain_window(window))
+        and type(q) is Tensor
+        and type(k_cache) is Tensor
+        and type(v_cache) is Tensor
+    )
+    if not plain:
+        return None
+    q_shape, k_shape, v_shape = q.shape, k_cache.shape, v_cache.shape
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
+        return None
+    heads = 1 if heads_first else 2
+    if heads_first:
+        q_shape = (q_shape[0], q_shape[2], q_shape[1], q_shape[3])
+    return (
+        (q_shape, q.dtype, q.device, q.layout, q.is_nested, q.requires_grad),
+        (k_shape[0], k_shape[heads], k_shape[3], k_cache.dtype, k_cache.device, k_cache.layout,
+         k_cache.is_nested, k_cache.requires_grad),
+        (v_shape[0], v_shape[heads], v_shape[3], v_cache.dtype, v_cache.device, v_cache.layout,
+         v_cache.is_nested, v_cache.requires_grad),
+        is_causal, scale, window, softcap, num_splits, return_lse, backend,
+        torch.is_grad_enabled(), torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def kept_kvcache_step(key: tuple, cache_seqlens: int) -> Callable[..., object] | None:

@@ -521,10 +521,12 @@ def bind_kvcache(
 def check_step(k_cache: Tensor, v_cache: Tensor, cache_seqlens: int) -> None:
     """bind_kvcache's checks of a planned step's values (`Backend.kvcache_step`: a
     contiguous cache, no new keys, one int length), with its messages."""
-    _check_same_rows(k_cache, v_cache)
+    k_shape = k_cache.shape
+    if v_cache.shape[:3] != k_shape[:3]:
+        _check_same_rows(k_cache, v_cache)
     _check_length("cache_seqlens", cache_seqlens)
-    if cache_seqlens > k_cache.shape[1]:
-        raise ValueError(_past_capacity(0, cache_seqlens, 0, f"S_max = {k_cache.shape[1]}"))
+    if cache_seqlens > k_shape[1]:
+        raise ValueError(_past_capacity(0, cache_seqlens, 0, f"S_max = {k_shape[1]}"))
 
 
 def _past_capacity(b: int, seqlen: int, new_len: int, where: str) -> str:

@@ -218,10 +218,12 @@ def binds(monkeypatch):
     return count_calls(monkeypatch, "bind_kvcache")
 
 
-def whole_call(*args, **kwargs):
-    """attention_with_kvcache as a first call runs it: checked and bound, no plan kept."""
+def whole_call(q, k_cache, v_cache, cache_seqlens, **kwargs):
+    """attention_with_kvcache on the backend's launcher of whole calls (`run_kvcache`): its
+    lengths as a tensor, which no step launcher serves; checked and bound, no plan kept."""
     plans.clear()
-    result = attnperf.attention_with_kvcache(*args, **kwargs)
+    lengths = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32)
+    result = attnperf.attention_with_kvcache(q, k_cache, v_cache, lengths, **kwargs)
     plans.clear()
     return result
 
@@ -424,10 +426,50 @@ def test_a_numba_plan_keeps_its_forward_and_reads_each_calls_strides(prepares):
     (plan,) = plans._PLANS.values()
     assert isinstance(plan.forward, attention.DenseForward)
     views = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(2, 3, 16, 8))
-    out = attnperf.attention(*views, backend="numba")
+    for call in (views, qkv(2, 3, 16, 8), views):  # the strides it reuses, then others
+        out = attnperf.attention(*call, backend="numba")
+        expected = torch.nn.functional.scaled_dot_product_attention(*call)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert prepares[0] == 1
-    expected = torch.nn.functional.scaled_dot_product_attention(*views)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_first_numba_call_works_out_its_forward_once(monkeypatch):
+    """One route per call: a first call's plan, kept or not, makes the one forward it runs
+    on (a tensor variant's call, which keeps none, makes its own)."""
+    made = []
+
+    class Counted(attention.DenseForward):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "DenseForward", Counted)
+    q, k, v = qkv(1, 2, 16, 8)
+    attnperf.attention(q, k, v, backend="numba")
+    assert len(made) == 1
+    attnperf.attention(q, k, v, backend="numba", sinks=torch.zeros(2))
+    assert len(made) == 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # no plan kept under autocast
+        attnperf.attention(q, k, v, backend="numba")
+    assert len(made) == 3
+
+
+@pytest.mark.parametrize("backend", ["numba", "sdpa"])
+def test_a_first_plain_step_runs_on_the_step_launcher_it_keeps(backend, monkeypatch):
+    """One launcher per backend for plain steps: the first one runs on the step launcher it
+    keeps for the next, not on the backend's launcher of whole calls (`run_kvcache`); its
+    result is that launcher's for the same call with its lengths as a tensor."""
+    q = torch.randn(2, 1, 8, 64)
+    k_cache, v_cache = (torch.randn(2, 2, 40, 64).transpose(1, 2) for _ in range(2))
+    expected = whole_call(q, k_cache, v_cache, 33, backend=backend)
+    whole = []
+    chosen = dispatch.registry()[backend]
+    monkeypatch.setattr(type(chosen), "run_kvcache",
+                        lambda self, inputs: whole.append(1) or 1 / 0)  # fmt: skip
+    got = attnperf.attention_with_kvcache(q, k_cache, v_cache, 33, backend=backend)
+    assert not whole
+    assert any(isinstance(plan, plans.KVCacheStep) for plan in plans._PLANS.values())
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
 def test_numba_keeps_no_forward_for_tensor_variants():
@@ -446,17 +488,17 @@ def test_a_numba_plans_forward_keeps_stats_only_for_calls_that_read_them():
     the plan's forward, the LSE and the gradients through the stats are SDPA's."""
     q, k, v = qkv(1, 2, 16, 8)
     inference = attention.numba_forward_for(prepare(q, k, v))
-    out, stats, _ = inference(prepare(q, k, v))
+    out, stats, _ = inference(q, k, v)
     assert stats is None
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
     with_lse = prepare(q, k, v, return_lse=True)
-    assert attention.numba_forward_for(with_lse)(with_lse)[1] is not None
+    assert attention.numba_forward_for(with_lse)(q, k, v)[1] is not None
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    assert attention.numba_forward_for(prepare(*leaves))(prepare(*leaves))[1] is not None
+    assert attention.numba_forward_for(prepare(*leaves))(*leaves)[1] is not None
     with pytest.MonkeyPatch.context() as patch:  # stats too large to keep: allocated
         patch.setattr(launch, "SCRATCH_MAX_BYTES", 0)
         patch.setattr(launch, "_UNREAD", threading.local())
-        out, stats, _ = inference(prepare(q, k, v))
+        out, stats, _ = inference(q, k, v)
         assert stats is not None
         torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
     peers = [t.clone().requires_grad_() for t in (q, k, v)]

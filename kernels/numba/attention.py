@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import numpy as np
 import torch
@@ -38,6 +39,8 @@ from attnperf.kernels.numba.forward_rows import (
 )
 from attnperf.kernels.numba.jit import serial
 from attnperf.kernels.numba.launch import (
+    ELEMENTS,
+    HUGE_PAGE,
     any_layout,
     as_bf16_bits,
     as_fp32,
@@ -45,6 +48,7 @@ from attnperf.kernels.numba.launch import (
     empty_output,
     float32_array,
     fp32_operand,
+    in_huge_pages,
     memory_of,
     run_parallel,
     scratch,
@@ -92,14 +96,15 @@ class DenseForward:
     micro-kernel kind, the kernel, its tiles and threads' workspace, the variant of a call
     without tensor variants) worked out once; a call binds its own q, k, v, which the kernel
     reads in place at their strides (`strided_memory`). attnperf.plans keeps one per call
-    metadata (`Backend.forward_for`): at B = 1, H = 8, L = 64 (bf16, Intel Xeon) working it
-    out and the numpy views it made cost a call ~50 us against its kernel's ~30.
+    metadata (`Backend.forward_for`): working it out per call cost a short call more than
+    its kernel.
 
-    forward(inputs) -> (out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L,
-    2) fp32: each row's base-2 max and sum, 0 and 0 for a row that sees no key, residual:
-    a bf16 or fp16 out's rounding residual where an input requires grad, else None
-    (`FusedBackend`)); stats None where made with keep_stats=False (`numba_forward_for`:
-    for calls that read none), unless too large to keep (`stats_output`)."""
+    forward(query, key, value) -> (out (B, Hq, L, Ev) in the inputs' dtype, softmax stats
+    (B, Hq, L, 2) fp32: each row's base-2 max and sum, 0 and 0 for a row that sees no key,
+    residual: a bf16 or fp16 out's rounding residual where an input requires grad, else
+    None), of a call with the metadata it was made for, whose q, k, v are all it holds
+    besides; stats None where made with keep_stats=False (`numba_forward_for`: for calls
+    that read none), unless too large to keep (`stats_output`)."""
 
     def __init__(self, inputs: AttentionInputs, keep_stats: bool = True):
         self.kind = kind = forward_kind(inputs)
@@ -112,6 +117,14 @@ class DenseForward:
         head_dim = inputs.head_dim + (kind == BF16 and inputs.head_dim % 2)
         value_dim = inputs.value_dim + (kind == BF16 and inputs.value_dim % 2)
         self.out_shape = (*inputs.query.shape[:3], value_dim)
+        # bf16 calls on our tiles write their output rounded (the kernel's last pass), and
+        # its rounding residual where a backward will read it.
+        self.out_dtype = torch.bfloat16 if kind == BF16 else torch.float32
+        self.huge_out = math.prod(self.out_shape) * self.out_dtype.itemsize >= HUGE_PAGE
+        self.stats_shape = (*self.out_shape[:3], 2)
+        # The strides of the last call's q, k, v read in place, and their memory but for
+        # its address (`operands`).
+        self.layout = None
         # Without pairs no key is seen: zeros (with sinks the kernel still writes each row's
         # sink term), nor by a padded batch's padding rows.
         no_work = not inputs.has_pairs and inputs.variant.sinks is None
@@ -149,14 +162,14 @@ class DenseForward:
         self.workspace = ("forward workspace", (runs, size), np.uint8)
         self.kernel = parallel if self.parallel else serial(parallel)
 
-    def __call__(self, inputs: AttentionInputs) -> tuple[Tensor, Tensor, Tensor | None]:
-        operand = bf16_operand if self.kind == BF16 else fp32_operand
-        q, k, v = operand(inputs.query), operand(inputs.key), operand(inputs.value)
-        # bf16 calls on our tiles write their output rounded (the kernel's last pass), and
-        # its rounding residual where a backward will read it.
-        out_dtype = torch.bfloat16 if self.kind == BF16 else torch.float32
-        out = empty_output(self.out_shape, out_dtype)
-        stats, stats_memory = stats_output((*self.out_shape[:3], 2), self.keep_stats)
+    def __call__(
+        self, query: Tensor, key: Tensor, value: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        operands, _alive = self.operands(query, key, value)  # converted copies: to the end
+        out = torch.empty(*self.out_shape, dtype=self.out_dtype)
+        if self.huge_out:
+            in_huge_pages(out)
+        stats, stats_memory = stats_output(self.stats_shape, self.keep_stats)
         residual, residual_memory = None, _no_residual()[1]
         if self.keep_residual and self.kind == BF16:
             residual = empty_output(self.out_shape, torch.bfloat16)
@@ -166,20 +179,43 @@ class DenseForward:
                 if tensor is not None:
                     zero_memory(tensor)
         if self.kernel is not None:
-            memory = (strided_memory(q), strided_memory(k), strided_memory(v), memory_of(out),
-                      stats_memory, residual_memory)  # fmt: skip
+            out_memory = (out.data_ptr(), self.out_shape, ELEMENTS[self.out_dtype])
+            memory = (*operands, out_memory, stats_memory, residual_memory)
             workspace = () if self.workspace is None else (scratch(*self.workspace),)
             args = (memory, *workspace, self.variant, self.scale, *self.blocks)
             if self.parallel:
                 run_parallel(self.kernel, *args)
             else:
                 self.kernel(*args)
-        if out.shape[3] != self.value_dim:  # a bf16 call of odd E ran on a zero column more
+        if self.out_shape[3] != self.value_dim:  # a bf16 call of odd E ran on a zero column more
             out = out[..., : self.value_dim].contiguous()
             residual = None if residual is None else residual[..., : self.value_dim].contiguous()
-        if out.dtype != self.dtype:  # fp32 tiles' output: rounded here, its residual kept
+        if self.out_dtype != self.dtype:  # fp32 tiles' output: rounded here, its residual kept
             out, residual = rounded_output(out, self.dtype, self.keep_residual)
         return out, stats, residual
+
+    def operands(
+        self, query: Tensor, key: Tensor, value: Tensor
+    ) -> tuple[tuple[tuple, ...], tuple[Tensor, ...]]:
+        """(the `strided_memory` of q, k and v as the kernel reads them, the tensors it is
+        of: each converted where it must be, `bf16_operand` or `fp32_operand`, and kept
+        alive by the caller through the kernel). Where the three are read in place, a call
+        of the last such call's strides reuses their memory's shape and strides: a model's
+        calls, layer after layer, repeat one layout, and the checks cost a short call ~3 us."""
+        tensors = (query, key, value)
+        strides = (query.stride(), key.stride(), value.stride())
+        layout = self.layout  # read once: another thread may replace it
+        if layout is not None and layout[0] == strides:
+            q_tail, k_tail, v_tail = layout[1]
+            memory = ((query.data_ptr(), *q_tail), (key.data_ptr(), *k_tail),
+                      (value.data_ptr(), *v_tail))  # fmt: skip
+            return memory, tensors
+        operand = bf16_operand if self.kind == BF16 else fp32_operand
+        kept = tuple(map(operand, tensors))
+        memory = tuple(map(strided_memory, kept))
+        if all(map(operator.is_, kept, tensors)):
+            self.layout = (strides, tuple(m[1:] for m in memory))
+        return memory, kept
 
 
 @functools.cache
@@ -193,7 +229,7 @@ def numba_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor, Te
     """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
     row's base-2 max and sum, 0 and 0 for a row that sees no key, a bf16 or fp16 out's
     rounding residual or None: `DenseForward`)."""
-    return DenseForward(inputs)(inputs)
+    return DenseForward(inputs)(inputs.query, inputs.key, inputs.value)
 
 
 def numba_forward_for(inputs: AttentionInputs) -> DenseForward | None:

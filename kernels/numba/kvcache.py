@@ -44,9 +44,10 @@ from attnperf.kernels.numba.kvcache_tiles import (
     tile_softmax,
 )
 from attnperf.kernels.numba.launch import (
+    ELEMENTS,
+    HUGE_PAGE,
     as_numpy,
     empty_output,
-    empty_output_like,
     memory_as,
     memory_of,
     run_parallel,
@@ -402,29 +403,6 @@ def launch_step(
         serial(kvcache_forward_splits)(*args)
 
 
-def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
-    """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of a KV-cache call:
-    split-K over (batch, split) items, merged exactly."""
-    k_pages, v_pages, head_major = _pages(inputs)
-    kind = decode_kind(inputs)
-    scales = (NO_SCALES, NO_SCALES)
-    if inputs.quantized:  # read in place: codes and scales, C-contiguous
-        scales = tuple(as_numpy(t.contiguous()) for t in (inputs.k_scale, inputs.v_scale))
-    threads = step_threads(inputs.kv_bytes)
-    out_dtype = torch.bfloat16 if inputs.dtype == torch.bfloat16 else torch.float32
-    out = empty_output((*inputs.query.shape[:3], inputs.value_dim), out_dtype)
-    stats = empty_output((*out.shape[:3], 2), torch.float32)
-    rows = query_rows(inputs.query, inputs.kv_heads, kind)
-    if rows.numel() == 0:  # no rows, or E = 0: the merge, which writes every row, never runs
-        return out.zero_().to(inputs.dtype), stats.zero_()
-    launch_step(
-        memory_of(rows), memory_of(k_pages), memory_of(v_pages), head_major, kind, scales,
-        as_numpy(inputs.block_table.cpu()), lower_variant(inputs), inputs.scale,
-        kvcache_splits(inputs, threads), threads, memory_of(out), memory_of(stats),
-    )  # fmt: skip
-    return out.to(inputs.dtype), stats
-
-
 # Each thread's sequence table for the steps it runs (`step_sequences`); not a `scratch`
 # slot, whose lookup cost a step ~3 us more inside a model's generate.
 _STEP_SEQUENCES = threading.local()
@@ -433,8 +411,7 @@ _STEP_SEQUENCES = threading.local()
 def step_sequences(batch: int, q_len: int, k_len: int) -> np.ndarray:
     """`Sequences.dense_table(batch, q_len, k_len, "bottom_right")` in an array this thread
     keeps, rewritten in place for each step (the kernel reads it during the call only): a
-    new array cost a step ~13 us inside a model's generate, the rewrite ~6 (Intel Xeon, a
-    bf16 Llama-like model, 8/2 heads, 2k keys)."""
+    new array cost a step ~13 us inside a model's generate, the rewrite ~6."""
     table = getattr(_STEP_SEQUENCES, "table", None)
     if table is None or table.shape[0] != batch:
         table = _STEP_SEQUENCES.table = Sequences.dense_table(batch, q_len, k_len, "bottom_right")
@@ -453,14 +430,19 @@ def set_lengths(table, q_len, k_len):
         table[b, 5] = k_len - q_len
 
 
-class KVCacheStep:
-    """numba's launcher for the next steps of a KV-cache call (`Backend.kvcache_step`): a
-    contiguous fp32 or bf16 cache, one int length for every sequence, no new keys, left
-    padding, ALiBi, sinks or int8 scales. What numba_kvcache_forward works out from the
-    call's metadata (the step's kind, the variant, the shapes) is worked out once; a step
-    binds its own tensors and length. In transformers' generate
-    (bf16, 8/2 heads, S = 2048, Intel Xeon) a whole call's checks and conversions cost
-    ~2.5x the kernel's time inside the model's step."""
+class KVCacheLauncher:
+    """numba's launcher of KV-cache calls of one metadata: what the metadata decides (the
+    step's kind, the variant, the shapes) worked out once, then either
+
+    - `run(inputs)`: the call it was made of, whole (`numba_kvcache_forward`: any cache,
+      paged, int8, ragged lengths, new keys already written), or
+    - `__call__(q, k_cache, v_cache, cache_seqlens)`: a plain step of that metadata but for
+      the cache's length (`Backend.kvcache_step`: a contiguous fp32 or bf16 cache, one int
+      length for every sequence, no new keys, left padding, ALiBi, sinks or int8 scales),
+      kept by attnperf.plans and run on the call's own tensors alone: a whole call's checks
+      and conversions cost a model's step more than the kernel.
+
+    Both launch `kvcache_forward_splits` through `launch_step`."""
 
     def __init__(self, inputs: KVCacheInputs):
         self.kind = decode_kind(inputs)
@@ -471,17 +453,41 @@ class KVCacheStep:
         self.rows_shape = (inputs.batch, inputs.kv_heads, inputs.q_heads // inputs.kv_heads,
                            inputs.head_dim)  # one token's  # fmt: skip
         self.out_dtype = inputs.dtype
-        self.out_like_q = inputs.value_dim == inputs.head_dim  # one token's out: q's shape
+        # One token's out has q's shape, dtype and (C-contiguous) layout, and is small.
+        out_bytes = math.prod(self.out_shape) * inputs.dtype.itemsize
+        self.out_like_q = inputs.value_dim == inputs.head_dim and out_bytes < HUGE_PAGE
         self.key_bytes = inputs.key_bytes
         self.num_splits, self.scale = inputs.num_splits, inputs.scale
         self.return_lse = inputs.variant.return_lse
+        self.step_variant = None  # (a step table, the variant with its sequences)
+
+    def run(self, inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
+        """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of the call this
+        launcher was made of: split-K over (batch, split) items, merged exactly."""
+        k_pages, v_pages, head_major = _pages(inputs)
+        scales = (NO_SCALES, NO_SCALES)
+        if inputs.quantized:  # read in place: codes and scales, C-contiguous
+            scales = tuple(as_numpy(t.contiguous()) for t in (inputs.k_scale, inputs.v_scale))
+        threads = step_threads(inputs.kv_bytes)
+        out_dtype = torch.bfloat16 if inputs.dtype == torch.bfloat16 else torch.float32
+        out = empty_output(self.out_shape, out_dtype)
+        stats = empty_output((*self.out_shape[:3], 2), torch.float32)
+        rows = query_rows(inputs.query, self.kv_heads, self.kind)
+        if rows.numel() == 0:  # no rows, or E = 0: the merge, which writes every row, never runs
+            return out.zero_().to(inputs.dtype), stats.zero_()
+        launch_step(
+            memory_of(rows), memory_of(k_pages), memory_of(v_pages), head_major, self.kind,
+            scales, self.table, self.variant, self.scale, kvcache_splits(inputs, threads),
+            threads, memory_of(out), memory_of(stats),
+        )  # fmt: skip
+        return out.to(inputs.dtype), stats
 
     def __call__(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: int,
         heads_first: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """attention_with_kvcache(q, k_cache, v_cache, cache_seqlens) of a step whose
-        metadata is the call's this step was made for (a cache of another length), its
+        metadata is the call's this launcher was made of (a cache of another length), its
         values checked (`serving.check_step`); heads_first: q, k_cache and v_cache in SDPA's
         (B, H, L, E) layout, the output as ever. One token's step makes no view: its query,
         the pages and its output are read and written where they lie (`memory_as`; inside a
@@ -491,16 +497,19 @@ class KVCacheStep:
         else:
             if heads_first:
                 k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-            head_major = _is_head_major(k_cache) and _is_head_major(v_cache)
-            if not head_major:
-                k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # alive to the end
-            k_memory, v_memory = (_page_memory(t, head_major) for t in (k_cache, v_cache))
+            k_memory, v_memory = _head_major_memory(k_cache), _head_major_memory(v_cache)
+            head_major = k_memory is not None and v_memory is not None
+            if not head_major:  # other strides: judged in full, copied where they must be
+                head_major = _is_head_major(k_cache) and _is_head_major(v_cache)
+                if not head_major:
+                    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # to the end
+                k_memory, v_memory = (_page_memory(t, head_major) for t in (k_cache, v_cache))
         one_token = self.q_len == 1 and q.is_contiguous() and q.dtype == _ROWS_DTYPE[self.kind]
         batch, heads, q_len, value_dim = self.out_shape
         if one_token:  # (B, 1, Hq, E) is (B, H, group, E) rows, and the output's layouts agree
-            rows = memory_as(q, self.rows_shape)
+            rows = (q.data_ptr(), self.rows_shape, ELEMENTS[q.dtype])  # q's shape: the key's
             if self.out_like_q and not heads_first:  # q's dtype too: _ROWS_DTYPE's is the cache's
-                out = empty_output_like(q)
+                out = torch.empty_like(q)
             else:
                 out = empty_output((batch, 1, heads, value_dim), self.out_dtype)
         else:
@@ -509,26 +518,46 @@ class KVCacheStep:
             rows = memory_of(query)
             out = empty_output(self.out_shape, self.out_dtype)
         stats, stats_memory = stats_output((batch, heads, q_len, 2), self.return_lse)
-        table = step_sequences(batch, q_len, cache_seqlens)
-        threads = step_threads(batch * cache_seqlens * self.key_bytes)
         if q.numel() == 0:  # no rows, or E = 0: the merge, which writes every row, never runs
             out.zero_()
             if stats is not None:
                 stats.zero_()
         else:
+            table = step_sequences(batch, q_len, cache_seqlens)
+            threads = step_threads(batch * cache_seqlens * self.key_bytes)
             launch_step(
                 rows, k_memory, v_memory, head_major, self.kind, (NO_SCALES, NO_SCALES),
-                self.table, with_sequences(self.variant, table), self.scale,
+                self.table, self.with_step_sequences(table), self.scale,
                 split_count(self.num_splits, batch, cache_seqlens, threads), threads,
-                memory_as(out, self.out_shape), stats_memory,
+                (out.data_ptr(), self.out_shape, ELEMENTS[self.out_dtype]), stats_memory,
             )  # fmt: skip
         out = out if one_token else out.transpose(1, 2)
         return (out, lse_from_stats(stats)) if self.return_lse else out
+
+    def with_step_sequences(self, table: np.ndarray) -> LoweredVariant:
+        """The variant with a step's sequence table (`step_sequences`, a thread's array,
+        rewritten in place each step): made once per table (~1 us a step)."""
+        kept = self.step_variant  # read once: another thread may replace it
+        if kept is not None and kept[0] is table:
+            return kept[1]
+        variant = with_sequences(self.variant, table)
+        self.step_variant = (table, variant)
+        return variant
 
 
 # The dtype of a step's query rows by kind (`query_rows`): bf16 on the bf16 tiles, else fp32.
 _ROWS_DTYPE = {AMX: torch.bfloat16, BF16: torch.bfloat16, FP32: torch.float32,
                LOOPS: torch.float32}  # fmt: skip
+
+
+def _head_major_memory(pages: Tensor) -> tuple | None:
+    """The memory of (P, rows, H, E) pages as (P, H, rows, E) where they are a view of such
+    C-contiguous pages at exactly those strides (transformers' cache each step), else None
+    (`_is_head_major` judges the rest, as torch judges contiguity)."""
+    count, rows, heads, dim = pages.shape
+    if pages.stride() != (heads * rows * dim, dim, rows * dim, 1) or heads == 1 or rows == 1:
+        return None
+    return pages.data_ptr(), (count, heads, rows, dim), ELEMENTS[pages.dtype]
 
 
 def _page_memory(pages: Tensor, head_major: bool) -> tuple:
@@ -540,9 +569,16 @@ def _page_memory(pages: Tensor, head_major: bool) -> tuple:
     return memory_as(pages, (pages_count, heads, rows, dim))
 
 
-def numba_kvcache_step(inputs: KVCacheInputs) -> KVCacheStep | None:
-    """numba's `Backend.kvcache_step`: a KVCacheStep for an fp32 or bf16 cache (an fp16 one
-    is converted per call, its filled rows only: the whole call's path), else None."""
+def numba_kvcache_forward(inputs: KVCacheInputs) -> tuple[Tensor, Tensor]:
+    """(out (B, Hq, Lq, Ev) in the inputs' dtype, stats (B, Hq, Lq, 2)) of a KV-cache call:
+    split-K over (batch, split) items, merged exactly (`KVCacheLauncher.run`)."""
+    return KVCacheLauncher(inputs).run(inputs)
+
+
+def numba_kvcache_step(inputs: KVCacheInputs) -> KVCacheLauncher | None:
+    """numba's `Backend.kvcache_step`: the KVCacheLauncher of an fp32 or bf16 cache's call
+    (an fp16 one is converted per call, its filled rows only: the whole call's path), else
+    None."""
     if inputs.dtype not in (torch.float32, torch.bfloat16) or inputs.quantized:
         return None
-    return KVCacheStep(inputs)
+    return KVCacheLauncher(inputs)

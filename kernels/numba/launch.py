@@ -161,16 +161,11 @@ def float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, n
 
 def empty_output(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """A new tensor for a kernel to write, in huge pages where it spans some."""
-    return _in_huge_pages(torch.empty(shape, dtype=dtype))
+    return in_huge_pages(torch.empty(shape, dtype=dtype))
 
 
-def empty_output_like(tensor: Tensor) -> Tensor:
-    """empty_output of a C-contiguous tensor's shape and dtype (torch.empty_like: half
-    torch.empty's cost, ~0.8 us against 1.6)."""
-    return _in_huge_pages(torch.empty_like(tensor))
-
-
-def _in_huge_pages(tensor: Tensor) -> Tensor:
+def in_huge_pages(tensor: Tensor) -> Tensor:
+    """`tensor`, its memory asked to be backed by huge pages where it spans some."""
     size = tensor.numel() * tensor.element_size()
     if size >= HUGE_PAGE:
         ask_huge_pages(tensor.data_ptr(), size)
