@@ -252,7 +252,7 @@ def _autocast_dtype(query: object) -> torch.dtype | None:
     """The dtype autocast gives attention on query's device, or None outside autocast."""
     if not isinstance(query, Tensor):
         return None
-    # is_cpu and is_cuda, not device.type: a device object made per call (~1 us).
+    # is_cpu and is_cuda, not device.type: a device object made per call.
     device = "cpu" if query.is_cpu else "cuda" if query.is_cuda else None
     if device is None or not torch.is_autocast_enabled(device):
         return None

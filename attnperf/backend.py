@@ -194,7 +194,7 @@ def rounding_residual(exact: Tensor, out: Tensor) -> Tensor:
     keeping `exact`): `exact_output` restores `exact` to about 16 bits (bf16) or 19 (fp16).
     A backward's rowsum(dO * O) reads O so: from the rounded out, its error (2^-9 of O in
     bf16, 2^-12 in fp16) cancels against dP's where the softmax is peaked, and left dq and
-    dk 2.5-65x as far from float64 as PyTorch's own attention in the same dtype."""
+    dk many times as far from float64 as PyTorch's own attention in the same dtype."""
     return (exact - out.float()).to(torch.bfloat16)
 
 
@@ -263,7 +263,7 @@ class FusedBackend(Backend):
 
     def run_linear(self, inputs: LinearAttentionInputs) -> tuple[Tensor, Tensor]:
         if not inputs.needs_grad:  # a decoding step: autograd.Function.apply binds its
-            return self.linear_forward(inputs, False)[:2]  # arguments by signature (~80 us)
+            return self.linear_forward(inputs, False)[:2]  # arguments by signature (slow)
         tensors = (inputs.query, inputs.key, inputs.value, inputs.g, inputs.beta,
                    inputs.initial_state)  # fmt: skip
         launchers = (self.linear_forward, self.linear_backward)
@@ -280,7 +280,7 @@ class FusedBackend(Backend):
         in place of the backend's own `forward`."""
         transformed = torch._C._are_functorch_transforms_active()
         # Without a gradient to come, the launcher alone: autograd.Function.apply binds its
-        # arguments by signature (~60 us, half a short call). Under torch.func transforms
+        # arguments by signature (as long as a short call's kernel). Under torch.func transforms
         # (vmap) the Function's own rules must run, as its apply checks, on the backend's
         # own forward (vmap folds its dim into the batch: shapes no kept forward was for).
         if not transformed and not inputs.needs_grad:

@@ -36,7 +36,7 @@ def table_path() -> Path:
     return _table_path(os.environ.get("ATTNPERF_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
 
 
-@functools.cache  # "auto" asks on every CPU call: building the Path cost ~13 us of a decode step
+@functools.cache  # "auto" asks on every CPU call: building the Path cost a decode step much
 def _table_path(folder: str | None, cache: str | None) -> Path:
     if not folder:
         folder = Path(cache or Path.home() / ".cache") / "attnperf"

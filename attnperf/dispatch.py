@@ -77,7 +77,7 @@ def selection_state(backend: str) -> tuple:
     """What `select(inputs, backend)` reads besides the call and the thread count, each made
     once: the registry, and for "auto" the CPU table in force (`attnperf tune` reloads it;
     a named backend's choice never reads it, and finding the table's path reads the
-    environment, ~5 us of a decoding step). A choice kept under other ones is stale
+    environment, a visible part of a decoding step). A choice kept under other ones is stale
     (attnperf.plans)."""
     if backend != "auto":
         return (registry(),)

@@ -40,8 +40,8 @@ class Sequences:
     def count(self) -> int:
         return self.table.shape[0]
 
-    # Read as lists: a torch op on a tensor this small costs 3-10 us, numpy's reductions
-    # ~1.5 us, and a short call or a decoding step is made of such steps.
+    # Read as lists: a torch op on a tensor this small, or even numpy's reductions, cost
+    # more, and a short call or a decoding step is made of such steps.
     @property
     def max_q_len(self) -> int:
         return max(self.table.numpy()[:, 2].tolist(), default=0)
@@ -72,9 +72,9 @@ class Sequences:
 
     @staticmethod
     def dense_table(batch: int, q_len: int, k_len: int, align: str) -> np.ndarray:
-        """`dense`'s table as a numpy array, made from a list (~1 us, where numpy's column
-        writes took 3 and torch's small ops 25: a short call or a decoding step is made of
-        such steps)."""
+        """`dense`'s table as a numpy array, made from a list (faster than numpy's column
+        writes or torch's small ops: a short call or a decoding step is made of such
+        steps)."""
         offset = k_len - q_len if align == "bottom_right" else 0
         rows = [(b, 0, q_len, 0, k_len, offset) for b in range(batch)]
         return np.array(rows, np.int64).reshape(batch, 6)
@@ -244,7 +244,7 @@ class AttentionInputs:
     def differentiable(self) -> bool:
         """Whether an input requires grad, whatever the grad mode (off inside an
         autograd.Function's forward, where a kernel learns that a backward will follow)."""
-        mask, sinks = self.attn_mask, self.variant.sinks  # written out: a short call's ~0.5 us
+        mask, sinks = self.attn_mask, self.variant.sinks  # written out: a generator costs
         return (
             self.query.requires_grad
             or self.key.requires_grad

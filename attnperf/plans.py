@@ -5,8 +5,8 @@ Checking an `attention` call and walking "auto" read only the call's metadata (s
 dtypes, devices, the scalar arguments, whether a gradient is wanted), never a tensor's
 values, wherever no variant is a tensor (no attn_mask, alibi_slopes, block_mask or sinks).
 A model makes the same call layer after layer, step after step, and for short calls those
-steps cost as much as the kernel: 45 us of a 167 us call at B = 1, H = 8, L = 64 (Intel
-Xeon, 2 threads; SDPA's whole call 55 us). A plan keeps what they found under the call's
+steps cost as much as the kernel (benches/README.md, "Short sequences"). A plan keeps what
+they found under the call's
 metadata; the next call with that metadata binds its own tensors to it and runs.
 
 An attention_with_kvcache call keeps the checks of its metadata alone: its lengths are
@@ -63,8 +63,8 @@ class DensePlan:
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         """`attention` of a call with this plan's metadata: without a gradient to come, its
-        q, k, v on the kept forward alone (`Backend.run_kept`: no inputs record, ~2 us of a
-        short call's ~10), else its tensors bound, then run."""
+        q, k, v on the kept forward alone (`Backend.run_kept`: no inputs record, a fifth
+        of a short call's Python), else its tensors bound, then run."""
         if self.shapes is not None:
             q_shape, k_shape, v_shape = self.shapes
             query, key, value = query.reshape(q_shape), key.reshape(k_shape), value.reshape(v_shape)
@@ -144,7 +144,7 @@ def dense_key(
 ) -> tuple | None:
     """The metadata an `attention` call's checks and backend choice depend on, or None
     where a plan cannot stand for them (a tensor variant, an argument of another type)."""
-    # Written out, not looped: a short call's whole Python is ~10 us, and a generator ~0.5.
+    # Written out, not looped: a generator is a visible part of a short call's Python.
     if (
         attn_mask is not None
         or variants["alibi_slopes"] is not None
@@ -198,7 +198,7 @@ def dense_key(
         variants["return_lse"],
         torch.is_grad_enabled(),
         torch.get_num_threads(),
-    )  # fmt: skip (each tensor's as _tensor_key's, made in place: ~0.3 us a call)
+    )  # fmt: skip (each tensor's as _tensor_key's, made in place: no call each)
 
 
 def dense_plan(key: tuple) -> DensePlan | None:

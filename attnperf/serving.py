@@ -475,7 +475,7 @@ def bind_kvcache(
     capacity = table.shape[1] * page_size
     # The lengths in numpy: see Sequences.
     seqlens = _cache_seqlens("cache_seqlens", cache_seqlens, batch)
-    leftpad = 0  # numpy's arrays of zeros (here and below) cost a decoding step ~3 us each
+    leftpad = 0  # not numpy's arrays of zeros (here and below): each costs a decoding step
     if cache_leftpad is not None:
         leftpad = _cache_seqlens("cache_leftpad", cache_leftpad, batch)
         if bool((leftpad > seqlens).any()):

@@ -62,16 +62,13 @@ from attnperf.kernels.numba.tiles import OWN_TILES, tiles_flag
 from attnperf.kernels.numba.variant import LoweredVariant, longest_in_table, lower_variant
 
 # Tile sizes: of 64/128/256 x 128/256/512, 128 x 512 was as fast as any, causal or not,
-# forward or backward, at L = 2048 and 4096 on a 2-core AVX-512 machine (same-run ratios to
-# sdpa); square tiles lost up to 30% causal too: a causal query tile stops its last key tile
-# at its own diagonal, so wide key tiles waste at most a triangle.
+# forward or backward; square tiles lost causal too: a causal query tile stops its last key
+# tile at its own diagonal, so wide key tiles waste at most a triangle.
 BLOCK_M = 128
 BLOCK_N = 512
 # A band bounded on both sides (a sliding window): a tile sees its rows' window plus a
-# triangle on each side, which smaller tiles shrink. Forward: 64 x 512 was 5-25% faster
-# than 128 x 512 at windows of 128 to 1024 keys, L = 8192 (64 x 256 no better). Backward,
-# which walks a key tile's query rows: 64 x 128 was 1.5-1.9x faster than 64 x 512 at
-# windows of 256 and 1024, L = 4096 (of 32/64/128 x 128/256/512).
+# triangle on each side, which smaller tiles shrink: the fastest measured, forward 64 x
+# 512, backward (which walks a key tile's query rows) 64 x 128.
 BANDED_BLOCK_M = 64
 BANDED_BACKWARD_BLOCK_N = 128
 # Query rows of a call's tiles where whole ones (BLOCK_M) leave a thread fewer than two.
@@ -86,8 +83,8 @@ def tensor_rows_apart(tensor: Tensor) -> bool:
 def rows_side_by_side(tensor: Tensor) -> Tensor:
     """`tensor` itself where its rows lie side by side, else a contiguous copy: the
     backward's products read Q, K, V and dO rows in place, and rows a head apart ((B, L, H,
-    E) transposed) fall into a few of L1's sets (fp32, L = 2048, 8 heads of 128: the
-    backward took 1.24x the time; one copy of each is O(L E), the backward O(L^2 E))."""
+    E) transposed) fall into a few of L1's sets and slowed the backward; one copy of each
+    is O(L E), the backward O(L^2 E)."""
     return tensor.contiguous() if tensor_rows_apart(tensor) else tensor
 
 
@@ -138,8 +135,8 @@ class DenseForward:
             self.kernel, self.blocks = online_softmax_forward, tile_sizes(inputs)
             return
         self.blocks = block_m, _ = short_call_tiles(inputs, variant)
-        # On the threads wherever there are two query tiles to share: H = 2, L = 64
-        # (2 MFLOP) took 23 us there against 35 us serially.
+        # On the threads wherever there are two query tiles to share: faster even at a
+        # call of two heads of 64 rows.
         self.parallel = query_tiles(inputs, variant, block_m) >= 2
         # Room to copy a kv head's rows side by side where the first call's lie apart
         # (`rows_apart`; a later call of other strides runs without it if it must).
@@ -201,7 +198,8 @@ class DenseForward:
         of: each converted where it must be, `bf16_operand` or `fp32_operand`, and kept
         alive by the caller through the kernel). Where the three are read in place, a call
         of the last such call's strides reuses their memory's shape and strides: a model's
-        calls, layer after layer, repeat one layout, and the checks cost a short call ~3 us."""
+        calls, layer after layer, repeat one layout, and the checks are a visible part of a
+        short call."""
         tensors = (query, key, value)
         strides = (query.stride(), key.stride(), value.stride())
         layout = self.layout  # read once: another thread may replace it
@@ -252,8 +250,7 @@ def query_tiles(inputs: AttentionInputs, variant: LoweredVariant, block_m: int) 
 
 def short_call_tiles(inputs: AttentionInputs, variant: LoweredVariant) -> tuple[int, int]:
     """`tile_sizes`, with SHORT_CALL_BLOCK_M query rows where whole tiles leave a thread
-    fewer than two: B = 1, H = 1, L = 128 took 41 us against 61, L = 256 139 us against 204
-    (2 threads)."""
+    fewer than two (a third faster there)."""
     block_m, block_n = tile_sizes(inputs)
     if query_tiles(inputs, variant, block_m) < 2 * torch.get_num_threads():
         block_m = min(block_m, SHORT_CALL_BLOCK_M)
@@ -348,8 +345,7 @@ def fused_backward_pays(items: int, threads: int) -> bool:
 
     The one pass computes 5 tile products per (query tile, key tile), the two passes 7 (P and
     dP twice), but it has only `items` to share out: it pays while they keep at least 3/4 of
-    the threads busy. Measured at L = 2048, 8 query heads, 2 threads: 1 kv head, two passes
-    1.05-1.17x faster; 2 kv heads, the one pass 1.43-1.58x faster.
+    the threads busy.
     """
     return items > 0 and items / (threads * math.ceil(items / threads)) >= 0.75
 

@@ -92,7 +92,7 @@ def gemm(a, b, c, alpha, beta, trans_a, trans_b):
             for col in range(cols):
                 c[r, col] = beta * c[r, col] if beta != 0 else 0.0
         return
-    blas_threads = set_blas_threads_local(1)  # ~20 ns, against ~30 us for a tile's product
+    blas_threads = set_blas_threads_local(1)  # nothing against a tile's product
     fortran_sgemm(
         trans_b, trans_a, cols, rows, inner, np.float32(alpha), b, b.strides[0] // 4, a,
         a.strides[0] // 4, np.float32(beta), c, c.strides[0] // 4,
@@ -146,10 +146,9 @@ def setup() -> tuple[str, object]:
     Returns the BLAS's name and what pins it to one thread from outside (None where gemm
     pins it itself, per calling thread). torch's MKL serves where torch exports it, else
     scipy's OpenBLAS; ATTNPERF_NUMBA_BLAS=torch|scipy insists on one. Numba's threads are
-    its OpenMP layer where it loads: its "workqueue" pool cost ~90 us a parallel region
-    and 15% of a long one's speed (a layer of projections around
-    causal attention, L = 1024, 2 cores: 27.9 ms on omp, 37.6-41.0 ms on workqueue; SDPA
-    29.0-32.9 ms). GNU OpenMP is not fork-safe: a process forked after a parallel kernel
+    its OpenMP layer where it loads: its "workqueue" pool cost a short parallel region
+    much and a long one a sixth of its speed. GNU OpenMP is not fork-safe: a process
+    forked after a parallel kernel
     runs the kernels on its calling thread (`launch.run_parallel`). A layer chosen by the
     user (NUMBA_THREADING_LAYER) is respected.
     """

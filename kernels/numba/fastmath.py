@@ -107,8 +107,7 @@ def to_whole_steps(row, cols, room):
     """The columns a softmax loop over row[:cols] runs: cols rounded up to a whole step of
     64 within `room`, row[cols:] there set to -inf (their 2 ** x is 0). LLVM's vector loops
     over a row (`row_maximum`, `exp2_shifted`) take 64 columns a step and leave the rest to
-    scalar code, which had made 112 keys cost 1.47x 128 (B = 32, H = 12, L = 128, fp32,
-    Intel Xeon)."""
+    scalar code, which had made 112 keys cost more than 128."""
     wide = min(room, (cols + 63) // 64 * 64)
     for c in range(cols, wide):
         row[c] = -np.inf
@@ -126,7 +125,7 @@ def exp2(t):
     # Each select is one vmaxps, whose unordered case gives its second operand: NaN goes
     # on through the polynomial, and the exponent's integer never comes from a NaN (fptosi
     # of NaN is undefined). With a NaN-restoring blend at the end and the degree-7
-    # polynomial, a 128 x 512 tile's exp2 took 1.4x the time (Zen 3, AVX2).
+    # polynomial, a tile's exp2 took much longer.
     clamped = at_least_minus_127(t)
     n = np.floor(clamped + np.float32(0.5))
     f = clamped - n

@@ -38,11 +38,10 @@ from attnperf.kernels.numba.variant import LoweredVariant, key_tiles, longest
 
 # The scores transposed, S^T = K Q^T (keys by query rows): the softmax's maxima and sums
 # then run down the keys, a vector of 16 query rows at a time, where by rows each row
-# reduced its vectors across lanes and rescaled on its own (a 128 x 128 bf16 head's
-# softmax 4.2 us against 10.1, Intel with AMX, one thread). K is A as its rows lie, Q^T
-# (packed per query tile) B; then O^T += V^T P^T, with V^T packed once per kv head (0.8
-# us for 128 keys of E = 64, where the values' pairs took 3.3) and P^T written in B's
-# pairs by the softmax itself. O goes back to rows once, at the end of the query tile.
+# reduced its vectors across lanes and rescaled on its own (twice as slow). K is A as its
+# rows lie, Q^T (packed per query tile) B; then O^T += V^T P^T, with V^T packed once per
+# kv head (a quarter of the values' pairs' time) and P^T written in B's pairs by the
+# softmax itself. O goes back to rows once, at the end of the query tile.
 
 
 @njit(fastmath=FASTMATH)

@@ -36,7 +36,7 @@ def njit(**options):
     """numba.njit with an on-disk cache; without numba the plain function (never run).
 
     error_model="numpy": IEEE division (inf/NaN, no ZeroDivisionError branch), which lets
-    loops that divide vectorise (the softcap's tanh was 10x slower without).
+    loops that divide vectorise (the softcap's tanh was many times slower without).
     """
     if numba is None:
         return lambda function: function
@@ -201,9 +201,8 @@ def compiled_where(serves):
     """A decorator: the jitted `function` as kernels call it where `serves(*argument types)`
     holds, and nothing where it does not (a branch the caller never takes for those
     types). Chosen by type as numba compiles the caller, so that code which can never run
-    is not compiled: a decoding step's tile routes (kvcache.py), whose first call took 45 s
-    for a fp32 cache and 37 s for an int8 one with every route compiled, 32 and 20 s with
-    only theirs (Zen 4)."""
+    is not compiled: a decoding step's tile routes (kvcache.py), whose first call took
+    half as long again with every route compiled."""
 
     def decorate(function):
         def stand_in(*args):  # typed by the overload below; never run in Python
@@ -324,7 +323,7 @@ def unowned_members(typingctx, values):
 def aligned_empty(rows, cols, like):
     """An uninitialised (rows, cols) array of like's dtype whose data starts on a 64-byte
     line: a tile's rows then lie in whole lines (numba's arrays start on 32 bytes; off a
-    line, QK^T's tile stores and P V's tile loads took 1.3-1.9x the time)."""
+    line, QK^T's tile stores and P V's tile loads took up to twice the time)."""
     extra = 64 // like.itemsize
     flat = np.empty(rows * cols + extra, like.dtype)
     skip = (-flat.ctypes.data % 64) // like.itemsize
@@ -335,8 +334,8 @@ def aligned_empty(rows, cols, like):
 def row_view(matrix, r):
     """matrix[r] of a C-contiguous 2-D array, as a view that holds no reference to the
     matrix's memory (the caller keeps the matrix alive). numba's own view takes one, an
-    atomic add and subtract on the memory's count, per row: ~7 ns each on the Intel Xeon,
-    a fifth of a 64 x 64 query tile's time, and more where two threads count one array."""
+    atomic add and subtract on the memory's count, per row: a fifth of a 64 x 64 query
+    tile's time, and more where two threads count one array."""
     address = data_address(matrix) + r * matrix.strides[0]
     return numba.carray(pointer_at(address, matrix), matrix.shape[1])
 
@@ -357,7 +356,7 @@ def carve(address, at, shape, like):
 def array_at(memory):
     """The C-contiguous array in memory = (address, shape, an empty array of its dtype)
     that a torch tensor owns (`launch.memory_of`): a kernel reads the tensor without a
-    numpy array made for it in Python (~2.5 us each, more inside a model's step)."""
+    numpy array made for it in Python (each a visible part of a short call)."""
     address, shape, like = memory
     return numba.carray(pointer_at(address, like), shape)
 

@@ -155,9 +155,8 @@ def scores_by_dots(depth, alpha, q_view, k_view, s_view, rows, keys, ahead=0):
     """S[:rows, :keys] = alpha * Q K^T for query rows against key rows as they lie (views,
     kinds and `ahead` as `key_dots`'), in blocks of 4 query rows by 4 keys, then 2 by 8, 1
     by 16. Inlined where it is called (a decoding step's every 16-key chunk): as calls,
-    with their arguments' arrays counted and their views passed, its scores took 15.2-15.5
-    ns a key and kv head in fp32 and 9.9-10.1 in bf16, inlined 12.6-13.0 and 8.4-8.6 (one
-    thread, Zen 4, 4 rows, E = 128, `benches/decode_stream.py`)."""
+    with their arguments' arrays counted and their views passed, its scores ran a sixth
+    slower."""
     full = rows - rows % 4
     for i in range(0, full, 4):
         _dot_blocks(4, depth, alpha, q_view, k_view, s_view, i, keys, ahead)

@@ -225,7 +225,7 @@ def kvcache_forward_splits(
     prefetch, splits,
 ):  # fmt: skip
     """Every (sequence, split) of kvcache_split, in parallel, then merge_splits into out
-    and stats (in the same call: a call into numba costs a step ~10 us). memory: q_rows,
+    and stats (in the same call: a call into numba is a visible part of a step). memory: q_rows,
     k_pages, v_pages, out and stats, torch tensors' memory (`kvcache_arrays`). The splits'
     partial results are made here, never leaving the call."""
     variant = LoweredVariant(*unowned_members(variant))  # held by the caller; see LoweredVariant
@@ -263,37 +263,22 @@ def split_count(num_splits: int, batch: int, longest: int, threads: int) -> int:
     return max(1, min(threads // math.gcd(items, threads), longest // MIN_SPLIT_KEYS))
 
 
-# Keys per tile of a KV-cache step: of 32 to 512, 96 was as fast as any on a Zen 4 (B = 1
-# and 4, S = 16k and 64k, 32/8 heads, E = 128, 2 threads); on a Zen 5 192 ran 1.07-1.34x
-# faster than 96 at each of those points, fp32 and bf16 caches (256: slower than either;
-# 384: as 192); on the micro-kernels (Zen 4, one thread) 16-key tiles ran 1.5x slower than
-# 192 and 64 as 192. Every head's scores of the tile (8 x 4 x 192 floats) stay in L1.
+# Keys per tile of a KV-cache step: the fastest of 32 to 512 measured (benches/README.md,
+# "Behind the code"). Every head's scores of the tile (8 x 4 x 192 floats) stay in L1.
 DECODE_BLOCK_N = 192
-# Below this many bytes of K and V per call, a step runs on the calling thread, and a split
-# holds at least MIN_SPLIT_KEYS keys. One token, B = 1, E = 128, Zen 4, 2 threads, in one
-# process alternating with the former 2 MiB and 256 keys (two runs, medians of 9 blocks of
-# 100 steps): bf16 8/2 heads 1024 keys (1 MiB) 0.77-0.80x the time, bf16 32/8 heads 256
-# keys (1 MiB) 0.75-0.80x, fp32 32/8 heads 256 keys (2 MiB, then one split on two threads)
-# 0.82x; at 256-512 KiB two threads gained nothing (fp32 8/2 heads 128-256 keys 0.98-1.10x).
+# Below this many bytes of K and V per call, a step runs on the calling thread (waking a
+# second one gained nothing below it), and a split holds at least MIN_SPLIT_KEYS keys.
 PARALLEL_MIN_BYTES = 1 << 20
 # A split's fixed cost (its partial rows, the merge) is a few microseconds: below ~128 keys
-# it outweighs what a second thread saves (fp32 32/8 heads, 2 splits of 64 keys:
-# 0.89-1.04x).
+# it outweighs what a second thread saves.
 MIN_SPLIT_KEYS = 128
 
 
 @functools.cache
 def prefetches() -> bool:
     """Whether a step's walk prefetches ahead (`ahead_of`), on the micro-kernels and on AMX
-    tiles: on AMD's and Intel's CPUs, where measured faster. Zen 4, 2 threads, 16k keys,
-    32/8 heads, E = 128, row-major fp32 and bf16 caches at B = 1 and 4, in one process (a
-    read probe of 29-30 GB/s): 17.5-19.7 / 10.8-12.2 GB/s without, 23.2-25.3 / 23.1-26.1
-    with. Intel Xeon with AMX, 2 threads, one token at B = 1, E = 128, alternating
-    processes: fp32 64k keys of 8/2 heads, head-major, 3.5-4.5 ms against 7.2-8.4; 32/8
-    heads row-major 1.83-2.04x SDPA's rows against 1.56-1.95x at 64k, 1.76-2.00x against
-    1.44-1.67x at 16k; bf16 on AMX, 64k keys of 32/8 heads, 14.4-17.3 ms against 21.0-30.8
-    with the values prefetched, 1.91-2.00x SDPA's rows against 1.72-1.82x with the keys
-    too."""
+    tiles: on AMD's and Intel's CPUs, where measured faster (benches/README.md, "Behind
+    the code")."""
     return cpu_vendor() in ("AMD", "Intel")
 
 
@@ -340,17 +325,15 @@ def _pages(inputs: KVCacheInputs) -> tuple[Tensor, Tensor, bool]:
 
 def decode_kind(inputs: KVCacheInputs) -> int:
     """The step's kind: AMX (`amx_tile`) for a bf16 cache whose E and Ev are multiples of
-    32 where bf16 runs on AMX (Intel Xeon, one thread, 32/8 heads, E = 128, S = 1.5k-16k:
-    one token's step 1.15x, four tokens' 2.3-2.6x faster than on vdpbf16ps); else the
+    32 where bf16 runs on AMX (faster than vdpbf16ps, the more so with more tokens); else the
     micro-kernels (`micro_kernel_tile`): BF16 for another bf16 cache of even E where the
     CPU has the bf16 dot product, FP32 for an fp32 (or fp16, converted) cache where our
     AVX-512 tiles serve; else LOOPS.
 
     LOOPS serve int8 caches, and AVX2, where key_dots' 16 accumulators of two ymm halves
     each would spill. Either page layout runs on the tiles: on transformers' head-major
-    pages, since P V takes a head's whole tile at once, the tiles took 0.78-0.81x the
-    loops' time in fp32 and 0.53-0.61x in bf16 (vdpbf16ps), S = 256 to 16k, 8/2 and 32/8
-    heads, E = 128 (Intel Xeon, 2 threads, `numba` steps in one process).
+    pages, since P V takes a head's whole tile at once, the tiles ran faster than the
+    loops, fp32 and bf16 alike.
     """
     if inputs.quantized:
         return LOOPS
@@ -392,7 +375,7 @@ def launch_step(
     (B, H, group Lq, E) (`query_rows`), the pages (`_pages`), out (B, Hq, Lq, Ev) in fp32
     or bf16 (written rounded by merge_splits, no fp32 copy converted) and stats (B, Hq, Lq,
     2). The kernel reads the tensors' memory: a decoding step is short, and each numpy
-    array made for it in Python cost it ~3 us (2-4x that inside a model's step)."""
+    array made for it in Python is a visible part of it."""
     memory = (q_rows, k_pages, v_pages, out, stats)
     args = (memory, *scales, head_major, table, variant, scale, DECODE_BLOCK_N, kind,
             prefetches(), splits)  # fmt: skip
@@ -404,14 +387,14 @@ def launch_step(
 
 
 # Each thread's sequence table for the steps it runs (`step_sequences`); not a `scratch`
-# slot, whose lookup cost a step ~3 us more inside a model's generate.
+# slot, whose lookup cost a step more inside a model's generate.
 _STEP_SEQUENCES = threading.local()
 
 
 def step_sequences(batch: int, q_len: int, k_len: int) -> np.ndarray:
     """`Sequences.dense_table(batch, q_len, k_len, "bottom_right")` in an array this thread
-    keeps, rewritten in place for each step (the kernel reads it during the call only): a
-    new array cost a step ~13 us inside a model's generate, the rewrite ~6."""
+    keeps, rewritten in place for each step (the kernel reads it during the call only):
+    cheaper than a new array inside a model's generate."""
     table = getattr(_STEP_SEQUENCES, "table", None)
     if table is None or table.shape[0] != batch:
         table = _STEP_SEQUENCES.table = Sequences.dense_table(batch, q_len, k_len, "bottom_right")
@@ -423,7 +406,7 @@ def step_sequences(batch: int, q_len: int, k_len: int) -> np.ndarray:
 @njit()
 def set_lengths(table, q_len, k_len):
     """A dense table's lengths and offsets rewritten for q_len queries against k_len keys
-    (numpy's column writes cost ~10 us in a model's step)."""
+    (numpy's column writes cost more, in a model's step most)."""
     for b in range(table.shape[0]):
         table[b, 2] = q_len
         table[b, 4] = k_len
@@ -491,7 +474,7 @@ class KVCacheLauncher:
         values checked (`serving.check_step`); heads_first: q, k_cache and v_cache in SDPA's
         (B, H, L, E) layout, the output as ever. One token's step makes no view: its query,
         the pages and its output are read and written where they lie (`memory_as`; inside a
-        model's generate each view cost ~2.5 us, a tenth of the step's Python)."""
+        model's generate each view was a visible part of the step's Python)."""
         if heads_first and k_cache.is_contiguous() and v_cache.is_contiguous():
             head_major, k_memory, v_memory = True, memory_of(k_cache), memory_of(v_cache)
         else:
@@ -536,7 +519,7 @@ class KVCacheLauncher:
 
     def with_step_sequences(self, table: np.ndarray) -> LoweredVariant:
         """The variant with a step's sequence table (`step_sequences`, a thread's array,
-        rewritten in place each step): made once per table (~1 us a step)."""
+        rewritten in place each step): made once per table, not per step."""
         kept = self.step_variant  # read once: another thread may replace it
         if kept is not None and kept[0] is table:
             return kept[1]

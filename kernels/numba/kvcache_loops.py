@@ -10,8 +10,7 @@ from attnperf.kernels.numba.jit import FASTMATH, njit
 
 
 # The per-key helpers are inlined into their loops (numba's IR inlining): as calls, with an
-# array view made per key, the steps ran 15-25% slower (B = 1 and 4, S = 16k and 64k, 32/8
-# heads, E = 128, 2 threads, the AMD EPYC).
+# array view made per key, the steps ran a fifth slower.
 @njit(fastmath=FASTMATH, inline="always")
 def key_scores(queries, key, s_head, j, scale2):
     """s_head[r, j] <- scale2 * queries[r] . key for every query row r of one head."""
@@ -36,8 +35,8 @@ def value_update(p_head, j, value, acc_head):
 @njit(fastmath=FASTMATH, inline="always")
 def values_update(p_head, j, v0, v1, v2, v3, acc_head):
     """acc_head[r] += sum_i p_head[r, j + i] * v_i, i < 4: four keys' values at once, so
-    that each row of acc is loaded and stored once for four (it was 1.4x faster than one
-    at a time, 4 rows x 128 dims per head, one AVX-512 core)."""
+    that each row of acc is loaded and stored once for four (faster than one at a
+    time)."""
     for r in range(acc_head.shape[0]):
         w0, w1, w2, w3 = p_head[r, j], p_head[r, j + 1], p_head[r, j + 2], p_head[r, j + 3]
         out = acc_head[r]
@@ -53,9 +52,8 @@ def cached_scores(q_rows, page, head_major, first_row, cols, s, scale2):
     side, walked a row at a time; or `head_major` (H, rows, E), walked a head at a time.
     Either way memory is read in order.
 
-    A decode step has a few query rows per head: BLAS's small-M products ran it at ~13 GB/s
-    of K and V (S = 16k, 32/8 heads, E = 128, 2 threads), these loops faster (they need a
-    C-contiguous cache to vectorise along E).
+    A decode step has a few query rows per head: BLAS's small-M products ran it slower
+    than these loops (which need a C-contiguous cache to vectorise along E).
     """
     heads = q_rows.shape[0]
     if head_major:

@@ -42,17 +42,13 @@ from attnperf.kernels.numba.vector_ops import to_bf16
 AMX = -2  # a bf16 step on AMX tiles (`amx_tile`)
 # From this many query rows a kv head (group x Lq), an AMX step's P V runs on AMX tiles, its
 # values packed in pairs per tile; below, on our FMA micro-kernels with the values widened
-# where they lie. One thread, Intel Xeon, a 192-key tile, E = 128 (`benches/microkernels.py`):
-# 4 rows' P V took 2.7 us on the micro-kernels against 4.3 us on AMX, the packing most of
-# it; the micro-kernels' time grows with the rows, AMX's does not.
+# where they lie: at a few rows the packing costs AMX more than it saves; the
+# micro-kernels' time grows with the rows, AMX's does not.
 AMX_VALUES_MIN_ROWS = 8
 # Keys a P V product takes at a time over row-major pages (a head's chunk; the chunks walked
 # across the heads, `memory_order`): against 16, each head's accumulators are loaded and
-# stored half as often. One thread, Zen 4, 32/8 heads, E = 128, processes in alternation:
-# the step from L2/L3 (`benches/decode_rate.py`, two pairs) fp32 27.3-27.9 ns a (key, kv
-# head) against 28.2-28.5, bf16 18.6-18.9 against 19.8-20.0; P V alone from cache 11.0-11.4
-# and 7.0 ns against 12.6-13.0 and 8.7-8.8, from memory alike (`benches/decode_stream.py`,
-# three pairs). 64 and 192 keys ran 5-15% slower from memory.
+# stored half as often, which made the step faster; 64 and 192 keys ran slower from
+# memory.
 VALUE_CHUNK = 32
 
 
@@ -125,7 +121,7 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
     load of a key (value) row asks for the same head's row 16 (32) keys on into L2 (see
     `ahead_of`)."""
     # Held by the caller: the per-head views and calls below then count no references (the
-    # step from L2/L3 1.04-1.08x faster in fp32, 1.03-1.11x in bf16; one thread, Zen 4).
+    # step from L2/L3 measurably faster).
     s, p_pairs, acc = unowned(s), unowned(p_pairs), unowned(acc)
     row_max, row_sum, shift = unowned(row_max), unowned(row_sum), unowned(shift)
     kv_heads, rows, width = s.shape
@@ -152,15 +148,12 @@ def micro_kernel_tile(q_rows, k_pages, v_pages, head_major, page, first_row, col
 @njit()
 def ahead_of(prefetch, row, chunks):
     """Elements from a key's row to the same head's row `chunks` 16-key chunks on where the
-    walk prefetches (`prefetch`; `row`: elements between keys), else 0. Zen 4's
+    walk prefetches (`prefetch`; `row`: elements between keys), else 0. The hardware
     prefetchers do not follow the walk: row-major pages are read a chunk at a time head by
-    head, rows 2-4 KiB apart (a 64k-key bf16 step of 32/8 heads read at 27-31% of the read
-    bandwidth without), and head-major ones stop them at each 4 KiB page, 8-16 of a head's
-    keys (16k keys, 32/8 heads, 2 threads, both in one process: fp32 12.8-18.3 GB/s
-    without, 21.9-32.8 with; bf16 16.8-18.7 and 23.9-29.1). Asked for with each load, the
-    lines are in L2 a chunk's work later, and no burst of prefetches waits on memory:
-    blocks of 8 keys, each first asking for its share of the next chunk (the walk's order
-    before), ran 1.14-1.46x slower (row-major, B = 1 and 4)."""
+    head, rows 2-4 KiB apart, and head-major ones stop them at each 4 KiB page, 8-16 of a
+    head's keys. Asked for with each load, the lines are in L2 a chunk's work later, and no
+    burst of prefetches waits on memory (blocks of 8 keys, each first asking for its share
+    of the next chunk, ran slower)."""
     return chunks * LANES * row if prefetch else 0
 
 
@@ -172,13 +165,11 @@ def chunked_values(p, p_pairs, values, head_major, cols, acc, prefetch):
     (`memory_order`). bf16 values: with P's bits in pairs (p_pairs (Hk, rows, W / 2)
     uint32), two keys' rows paired in registers for vdpbf16ps (PAIRED; an odd chunk's last
     key as below); with p_pairs empty, widened in registers for fp32 FMAs on P (WIDENED:
-    twice the multiply-adds, 14.2 ns a key of 4 rows, E = 128, against PAIRED's 9.1-9.4;
-    one thread, Zen 4, a 16-key chunk in L1). Head-major pages give rows that fit one
-    micro-kernel a head's whole tile at once: its accumulators stay in registers across the
-    tile's keys (4 rows, 192-key tiles, bf16, Intel Xeon: 37 us against 68 per 2048 keys of
-    2 heads). Otherwise chunks of VALUE_CHUNK keys: more rows' values stay in L1 across the
-    row blocks, and row-major pages are read across their heads (a head at a time, a
-    16k-key step of 32/8 heads ran 1.5x slower); `prefetch` as `micro_kernel_tile`'s."""
+    twice the multiply-adds). Head-major pages give rows that fit one micro-kernel a head's
+    whole tile at once: its accumulators stay in registers across the tile's keys.
+    Otherwise chunks of VALUE_CHUNK keys: more rows' values stay in L1 across the row
+    blocks, and row-major pages are read across their heads (a head at a time ran
+    slower); `prefetch` as `micro_kernel_tile`'s."""
     kv_heads, rows, width = p.shape
     pages, v_at, v_head, v_row = values
     acc_rows, value_dim = acc.shape[1], acc.shape[2]
@@ -268,9 +259,8 @@ def pack_value_pairs(values, head_major, cols, heads, pairs):
     zeros past `cols` to the end of the last step of 32 keys. values: (pages, offset of
     head 0's first key, between heads, between keys), read in memory order: a step at a
     time across the heads of row-major pages, a head at a time along head-major ones.
-    `pack_vnni`'s layout, written a uint32 (a pair) at a time: on pack_vnni itself, a
-    decode tile's P V with its packing ran at 30 GFLOP/s against 44 here (one thread,
-    `benches/microkernels.py`, E = 128)."""
+    `pack_vnni`'s layout, written a uint32 (a pair) at a time: faster here than on
+    pack_vnni itself."""
     wide_vectors()
     pages, v_at, v_head, v_row = values
     flat = pages.reshape(pages.size)

@@ -28,10 +28,10 @@ def as_numpy(tensor: Tensor) -> np.ndarray:
 # lock costs well under a microsecond against a call's milliseconds).
 _PARALLEL_REGION = threading.Lock()
 # The count each Python thread last gave numba (numba's count is the calling thread's own).
-# numba.set_num_threads is Python: ~1 us back to back, but ~10 us right after a kernel or a
-# large torch op, whose data evicted the interpreter's from the caches (a decoding step
-# inside a model; Intel Xeon VM), so it is called only when torch's count has changed (a
-# count that other code gives numba in between goes unnoticed).
+# numba.set_num_threads is Python, and slow right after a kernel or a large torch op, whose
+# data evicted the interpreter's from the caches (a decoding step inside a model), so it is
+# called only when torch's count has changed (a count that other code gives numba in
+# between goes unnoticed).
 _NUMBA_THREADS = threading.local()
 
 
@@ -79,9 +79,8 @@ def run_parallel(kernel, *args) -> None:
 
 
 # Per-thread memory for the operands a call packs and drops (key panels, value pairs),
-# kept between calls: a fresh allocation of it faulted its pages in on every call. B = 32,
-# H = 12, L = 128, fp32 forward (12 MiB of key panels), Intel Xeon VM, 2 threads: 13.2 ms a
-# call (p90 39 ms) against 8.4 ms (p90 8.9) with the panels' memory kept.
+# kept between calls: a fresh allocation of it faulted its pages in on every call, which
+# cost a call of many small heads a third of its time.
 _SCRATCH = threading.local()
 # Larger packs are allocated per call: their faults weigh little against such calls' work,
 # and the memory is not held. A thread keeps at most this much a slot.
@@ -102,8 +101,8 @@ def scratch(slot: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     and dropped after it."""
     slots = _SCRATCH.__dict__.setdefault("slots", {})
     kept = slots.get(slot)
-    # The array of a slot's last request (a repeated call's), as it was: ~2.5 us less of a
-    # short call than carving it again.
+    # The array of a slot's last request (a repeated call's), as it was: cheaper than
+    # carving it again.
     if kept is not None and kept[1].shape == shape and kept[1].dtype == dtype:
         return kept[1]
     size = math.prod(shape) * np.dtype(dtype).itemsize
@@ -135,10 +134,8 @@ def ask_huge_pages(address: int, size: int) -> None:
     transparent huge pages are "always" or "madvise").
 
     glibc maps each large allocation afresh (its mmap threshold rises to the size freed, and
-    an equal request is at it again), so a call's outputs fault in page by page. On the
-    2-core AMD EPYC, 4 KiB faults took 7% of the samples of numba's gated delta
-    forward+backward (T = 2048, Qwen3-Next's heads) and half of a decode step's (B = 8, a new
-    16 MiB state); with huge pages the forward+backward ran 3-10% faster in interleaved runs.
+    an equal request is at it again), so a call's outputs fault in page by page, a
+    measurable share of a long call's time and of a decoding step's with a large state.
     """
     start = -(-address // HUGE_PAGE) * HUGE_PAGE
     end = (address + size) // HUGE_PAGE * HUGE_PAGE
@@ -153,8 +150,7 @@ def float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, n
     The view is made from the address, not by Tensor.numpy(), which would pin the storage
     (a result that `resize_` refuses, unlike SDPA's); the tensor outlives every kernel call.
     Zeroed by memset, not torch.zeros: a torch op on OpenMP threads just before a kernel
-    leaves them spinning on the cores the kernel's threads need (a 32K-element op cost the
-    next forward 8 ms of 20, L = 4096, 2 threads).
+    leaves them spinning on the cores the kernel's threads need.
     """
     return _output(shape, torch.float32, ctypes.c_float, zero)
 
@@ -191,9 +187,8 @@ def recycled_float32(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor
     For arrays a process asks for call after call (a decoding loop's linear-attention state,
     the chunks a forward keeps for its backward). A decoding loop replaces its state each
     step: on fresh memory the new state faulted its pages in, or not, by how glibc had mapped
-    the process's earlier allocations (gated delta step, B = 8, a 16 MiB state, 2-core AMD
-    EPYC Zen 4: 1.3-1.5 ms in processes without faults, 1.8-4.9 ms in those with 50-2900 a
-    step). Recycled, each step writes the memory that the state of two steps before left.
+    the process's earlier allocations, and a step's time varied with it from process to
+    process. Recycled, each step writes the memory that the state of two steps before left.
     The tensor's storage is numpy's, which torch does not resize.
     """
     size = math.prod(shape) * 4
@@ -236,7 +231,8 @@ def stats_output(shape: tuple[int, ...], read: bool) -> tuple[Tensor | None, tup
     """A kernel's fp32 softmax stats of `shape` and their `memory_of`: a new tensor where the
     caller reads them; where nothing does (no gradient or LSE to follow), None and the memory
     of a tensor this thread keeps between calls, its values undefined (a tensor allocated
-    for them cost a short call ~1.5 us). Kept up to SCRATCH_MAX_BYTES, allocated past it."""
+    for them is a visible part of a short call). Kept up to SCRATCH_MAX_BYTES, allocated
+    past it."""
     if not read:
         kept = getattr(_UNREAD, "memory", None)
         if kept is not None and kept[1] == shape:
@@ -310,8 +306,8 @@ def any_layout(array: np.ndarray) -> np.ndarray:
     shape = (2, *array.shape)
     if not array.flags.c_contiguous:
         return np.broadcast_to(array, shape)  # read-only, as below
-    # The cheap way (~2 us against 3-5 for broadcast_to or as_strided; a short call makes
-    # three of these), which takes contiguous buffers only.
+    # The cheap way (faster than broadcast_to or as_strided; a short call makes three of
+    # these), which takes contiguous buffers only.
     view = np.ndarray(shape, array.dtype, array, 0, (0, *array.strides))
     view.flags.writeable = False
     return view
@@ -331,7 +327,7 @@ def fp32_operand(tensor: Tensor) -> Tensor:
     (fp32, unit stride along the head dim, rows apart: a (B, L, H, E) tensor viewed as
     (B, H, L, E), say), else an fp32 contiguous copy (detached). Kernels read its memory
     (`strided_memory`) or a numpy view (`as_numpy`, which detaches): no detached tensor is
-    made for them (~1 us each, three a call)."""
+    made for them (three a call)."""
     in_place = (
         tensor.dtype == torch.float32
         and tensor.stride(-1) == 1

@@ -62,22 +62,19 @@ from attnperf.linear_inputs import LinearAttentionInputs
 # The forward keeps each chunk's start state (and the delta rule's WY results) for the
 # backward when they take at most this many bytes per call (T x HV x 1.75 KiB at K = V =
 # 128 with the delta rule: 112 MiB at T = 2048, HV = 32); beyond, the backward recomputes them:
-# a forward pass of products, ~23% of the backward's time (T = 2048, the AMD EPYC). Every
+# a forward pass of products, a fair share of the backward's time. Every
 # layer of a model being trained holds its call's until the backward: 0 always recomputes,
 # as fla does.
 KEPT_MAX_BYTES = 512 << 20
 # Sequences up to this many steps run the per-token kernel when no gradient is needed:
 # decoding and speculative steps (the chunked form's fixed costs dominate short sequences).
 RECURRENT_MAX_STEPS = 16
-# Below this many bytes of state, the per-token kernel runs on the calling thread: a gated
-# delta step of Qwen3-Next's heads took 0.24-0.25 / 0.37-0.39 / 0.64-0.74 ms there at B = 1
-# / 2 / 4 (2 to 8 MiB) against 0.19-0.20 / 0.26 / 0.39-0.43 ms on two threads
-# (benches/linear_decode_threads.py, two processes, the AMD EPYC Zen 4).
+# Below this many bytes of state, the per-token kernel runs on the calling thread; from it
+# on, two threads were faster (benches/linear_decode_threads.py).
 PARALLEL_MIN_BYTES = 2 << 20
 # The chunked forward's items take as many value heads of one key head as leave at least
 # this many items a thread. Value heads in one item share their key head's loads and plain
-# products: Qwen3-Next's heads (two value heads a key head), T = 4096, gated delta rule:
-# 81 ms against 95-100 ms for an item a value head (Intel Xeon, 2 threads).
+# products: faster than an item a value head where the items still fill the threads.
 ITEMS_PER_THREAD = 2
 
 
@@ -394,8 +391,8 @@ def recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
 def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
                              final, threads):  # fmt: skip
     """recurrent_item of every (sequence, value head), in parallel: a run of items a thread,
-    its scratch made once (made per item, six arrays an item, the kernel of a B = 8 step,
-    256 items, took 0.99 ms, against 0.64: AMD EPYC Zen 4, 2 threads)."""
+    its scratch made once (made per item, six arrays an item, it was a third of a
+    step's time)."""
     heads = v.shape[2]
     items = sequences.shape[0] * heads
     workers = min(threads, items)
@@ -457,10 +454,8 @@ def _kept(inputs: LinearAttentionInputs, chunks: int) -> tuple[tuple[Tensor, ...
     """kept_shapes' arrays for `chunks` chunks (none: nothing kept), as tensors and arrays,
     on the memory of an earlier call's once its backward freed them (`recycled_float32`).
 
-    Mapped afresh each call, they fault in again where idle memory goes back to the host:
-    on the 2-core AMD EPYC's VM (Firecracker), after 5 s idle, a gated delta forward+backward
-    at T = 2048 (112 MiB kept) took 295-407 ms against 206-264 recycled (~205 back to back
-    either way; one process each, alternating).
+    Mapped afresh each call, they fault in again where idle memory goes back to the host
+    (a VM's balloon): a call after an idle spell then ran far slower.
     """
     pairs = [recycled_float32(shape) for shape in _kept_shapes(inputs, chunks)]
     return tuple(tensor for tensor, _ in pairs), tuple(array for _, array in pairs)

@@ -14,11 +14,9 @@ from attnperf.linear_inputs import L2NORM_EPS
 # Steps per chunk: the intra-chunk work (C^2 (K + V) per chunk) against the state's (C K V).
 # A forward that keeps nothing for a backward takes chunks of FORWARD_CHUNK steps: fewer
 # FLOPs in the triangles, and its per-chunk costs paid no more often than the state's
-# products amortise them (gated delta forward, T = 4096, in one process: 0.93-0.94x the
-# time of 64-step chunks on AVX-512, on BLAS tiles too, 0.95x on AVX2 code; additive and
-# scalar-gate rules 0.97-0.99x; chunks of 16 steps as fast as 32). A forward that keeps
-# its chunks takes 64: the backward over 32-step chunks took 1.04x the time (twice the
-# start states kept and read).
+# products amortise them (faster than 64-step chunks for every rule; 16 steps no faster).
+# A forward that keeps its chunks takes 64: the backward over 32-step chunks was slower
+# (twice the start states kept and read).
 CHUNK = 64
 FORWARD_CHUNK = 32
 # Rows of a block of the delta rule's triangular solves: the rows of earlier blocks reach a
@@ -29,8 +27,7 @@ SOLVE_ROWS = 16
 # (the micro-kernels hold 16 columns a vector).
 TRIANGLE_ROWS = 16
 # load_rows asks for the row this many ahead: rows of a (B, T, H, K) tensor lie H K floats
-# apart, a stride no prefetcher follows (gated delta forward, T = 4096: 2% faster at 2
-# rows ahead than at none, 1.5% than at 8; Intel Xeon).
+# apart, a stride no prefetcher follows (2 was the fastest distance measured).
 PREFETCH_ROWS = 2
 # Floats a running state's rows run past V (new_states).
 STATE_PAD = 16

@@ -22,8 +22,8 @@ The drivers below walk a whole product in micro-kernels: rows in blocks of 6, co
 panels as wide as the registers allow, remainders by smaller literal shapes. With AVX-512 a
 panel is 64 columns (4 vectors: 24 accumulators of the 32 zmm registers, as BLIS and oneDNN
 block for AVX-512); with AVX2 only, 16 (one vector, which LLVM splits in two ymm: 12
-accumulators of the 16 ymm registers, BLIS's 6 x 16 Haswell block). On AVX2 (AMD Zen 3)
-a 64-column panel spilled and ran at 23-32% of the FMA peak, a 16-column one at 72-92%.
+accumulators of the 16 ymm registers, BLIS's 6 x 16 Haswell block): on AVX2 a 64-column
+panel spilled and ran at a third of a 16-column one's rate.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def target_features() -> frozenset[str]:
     return _with_listed(_host_features() if name == "host" else frozenset(), listed)
 
 
-@functools.cache  # LLVM's query took ~0.1 ms, on every bf16 call
+@functools.cache  # LLVM's query is slow, and every bf16 call asked it
 def _host_features() -> frozenset[str]:
     """The host's features as numba hands them to LLVM (NUMBA_ENABLE_AVX=0 takes AVX's away)."""
     return _with_listed(frozenset(), numba_host_features())
@@ -118,7 +118,7 @@ def tile_route(kind: str) -> tuple[str, str]:
     ATTNPERF_NUMBA_AMX=0 keeps bf16 off AMX.
     """
     # Worked out once per setting of the variables it reads: calls ask it two or three
-    # times each, and the whole walk cost a short call ~2 us a time.
+    # times each, and the whole walk is a visible part of a short call.
     setting = tuple(os.environ.get(name) for name in ROUTE_VARIABLES)
     return _tile_route(kind, setting)
 
@@ -502,9 +502,9 @@ def micro_kernel(typingctx, mr, nv, depth, alpha, beta, a_view, b_view, c_view, 
             _with_prefetching(builder, prefetches, ahead,
                               lambda prefetching: block_product(True, prefetching))  # fmt: skip
             return context.get_dummy_value()
-        # Without AVX-512, whole panels load unmasked: on AVX2 (Zen 3) the masked loads
-        # (vmaskmovps), and the mask spilled for want of a 17th register, held the 6 x 16
-        # kernel to 56-73% of the FMA peak, against 72-92% unmasked.
+        # Without AVX-512, whole panels load unmasked: on AVX2 the masked loads
+        # (vmaskmovps), and the mask spilled for want of a 17th register, slowed the 6 x 16
+        # kernel.
         full = builder.icmp_signed("==", cols, constant(LANES * vectors))
         with builder.if_else(full) as (whole, partial):
             with whole:
@@ -563,9 +563,7 @@ def _row_blocks(nv, depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahea
 def inlined_tile_product(depth, alpha, beta, a_view, b_view, c_view, rows, cols, ahead=0):
     """tile_product inlined where it is called, for a caller that calls it for every small
     tile: as calls (tile_product's, then a panel's), with their arguments' arrays counted
-    and their views passed, a decoding step's P V took 16.0-16.3 ns a key and kv head in
-    fp32 and 10.9-11.2 in bf16 (16-key chunks), inlined 12.8-13.0 and 8.6-8.7 (one
-    thread, Zen 4, 4 rows, E = 128, `benches/decode_stream.py`)."""
+    and their views passed, a decoding step's P V ran a fifth slower."""
     b, b_offset, b_row_stride, b_vector_stride = b_view
     c, c_offset, c_row_stride = c_view
     panel = panel_width()

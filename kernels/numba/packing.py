@@ -120,7 +120,7 @@ def _transpose_16x16(builder, rows):
 def _transpose_quadrants(builder, src_view, rows, cols, dst_view, unit):
     """`transpose_block` without AVX-512: four 8 x 8 transposes of 8-lane vectors. Their
     shuffles are AVX2's unpack, shufps and vperm2f128 (24 per 64 elements), where the
-    16-lane perfect shuffle lowered to ~2.7 permutes and blends per element (Zen 3)."""
+    16-lane perfect shuffle lowered to ~2.7 permutes and blends per element."""
     (src, s_offset, s_stride), (dst, d_offset, d_stride) = src_view, dst_view
     index_type = rows.type
     f32x8 = ir.VectorType(ir.FloatType(), 8)
@@ -226,7 +226,7 @@ def transpose_bf16(src, dst, pairs_t):
     """dst[:cols, :rows] <- src (rows, cols) transposed, bf16 bits (cols even), zeros in
     dst's columns past rows: 16 x 16 blocks of pairs transposed in registers into pairs_t
     (>= cols / 2, >= 2 whole_tiles(rows), `transpose_block`), whose pairs' halves then go
-    to dst's even and odd rows. 0.8 us for 128 x 64 (one element at a time: 1.5)."""
+    to dst's even and odd rows (twice as fast as one element at a time)."""
     wide_vectors()
     rows, cols = src.shape
     pairs = cols // 2
@@ -243,7 +243,7 @@ def transpose_bf16(src, dst, pairs_t):
                             min(LANES, pairs - d0), (pairs_t, d0 * pairs_t.shape[1] + 2 * p,
                             pairs_t.shape[1]))  # fmt: skip
     halves = pairs_t.view(np.uint32)
-    for d in range(pairs):  # a loop per half: both in one ran 6x slower (Intel, AVX-512)
+    for d in range(pairs):  # a loop per half: both in one ran several times slower
         pair_row, even = halves[d], dst[2 * d]
         for j in range(rows):
             even[j] = np.uint16(pair_row[j] & np.uint32(0xFFFF))

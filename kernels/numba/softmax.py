@@ -283,8 +283,8 @@ def amx_scores(q, slot, h, row, rows, key_panels, b, hk, j0, s, cols):
     """s[:whole_tiles(rows), :cols] = Q K^T (unscaled) of query rows q[slot, h, row : row +
     rows] against keys j0.. on AMX tiles; the extra rows and columns (to sixteens) get the
     padding's. The rows are read where they lie when they fill whole tiles, else copied
-    into them first (`amx_query_rows`; a copy per call took ~2 us of a 128 x 128 bf16 head's
-    19.5). The backward's dP = dO V^T too: dO's rows against the values' panels."""
+    into them first (`amx_query_rows`; a copy per call is a tenth of a head's time). The
+    backward's dP = dO V^T too: dO's rows against the values' panels."""
     keys = panels_view(key_panels, b, hk, j0)
     col_tiles, steps = whole_tiles(cols) // TILE_ROWS, depth_steps(q.shape[3])
     if rows % TILE_ROWS == 0 and q.strides[3] == q.itemsize:

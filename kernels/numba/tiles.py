@@ -24,7 +24,7 @@ def product(a, b, c, alpha, beta, trans_a, trans_b, tiles):
     by BLAS or by our micro-kernels (`tiles`: BLAS_TILES or OWN_TILES)."""
     # One type for every call, so that the products compile once, not once per caller's
     # combination of layouts, literal flags and scalar types (16 in the linear kernels,
-    # 3-7 s each).
+    # seconds each).
     a, b, c = any_strides(a), any_strides(b), any_strides(c)
     alpha, beta = np.float32(alpha), np.float32(beta)
     trans_a, trans_b = bool(trans_a), bool(trans_b)

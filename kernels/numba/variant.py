@@ -94,8 +94,8 @@ def longest(variant, column):
 
 def longest_in_table(variant: LoweredVariant, column: int) -> int:
     """`longest` for the launchers, in numpy: a call into numba types the whole variant
-    tuple first (~5 us, and a short call made three). By a list: numpy's reduction of a
-    table this small cost more than the list (~1.5 us against ~0.5)."""
+    tuple first (and a short call made three). By a list: numpy's reduction of a table
+    this small cost more than the list."""
     return max(variant.sequences[:, column].tolist(), default=0)
 
 
@@ -488,7 +488,7 @@ def summarise_mask(mask, marks, floors_shut, blocks):
 
     mask: C-contiguous bits (a bool mask as uint8, bf16 as uint16, float32 as uint32), so
     that a strip of rows folds into its columns' AND, OR and odd ones as whole vectors (a
-    block at a time ran 6x slower: 1.2 ms for 2048 x 2048 bools)."""
+    block at a time ran several times slower)."""
     opened, shut, also, sign, floor, ordinary, inf = marks
     heads, query_blocks, key_blocks = blocks.shape[1], blocks.shape[2], blocks.shape[3]
     q_len, kv_len = mask.shape[2], mask.shape[3]
@@ -554,8 +554,8 @@ def balanced_order(table: Tensor, threads: int) -> Tensor | None:
 
 
 # Dense calls' lowered variants by what they are made of: each is made of the call's shape
-# and scalars alone, and a short call spent 6-10 us making its own (B = 1, H = 8, L = 64,
-# Intel Xeon). The kernels only read them (their arrays stay writeable all the same: numba
+# and scalars alone, and making its own was a visible part of a short call. The kernels
+# only read them (their arrays stay writeable all the same: numba
 # types a read-only array apart, a compilation of its own).
 _DENSE_VARIANTS: dict[tuple, tuple] = {}
 MAX_DENSE_VARIANTS = 256

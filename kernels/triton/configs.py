@@ -30,7 +30,7 @@ def forward_configs() -> list:
 @functools.cache
 def shared_memory_limit(device_index: int) -> int:
     """Bytes of shared memory one block may use on this GPU (what Triton checks at launch).
-    Kept: Triton's query took ~1 ms a call on an H200, half the backward's host time."""
+    Kept: Triton's query is slow, half the backward's host time."""
     properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
     return properties["max_shared_mem"]
 

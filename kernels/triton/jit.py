@@ -28,8 +28,7 @@ MAX_HEAD_DIM = 256
 def on_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host table (the sequences' starts and lengths) on the kernels' device. A copy
     from the host waits for the device's stream to drain, and the GPU then idles while the
-    host prepares the next call: on an H200 the forward at L = 1024 took 674 us a call with
-    it, 587 without (`benches/gpu_check.py --stages calls`). So the tables of recent calls
+    host prepares the next call (an eighth of a short forward's time). So the tables of recent calls
     stay on the device: a repeated shape launches without a copy."""
     if device.type != "cuda" or table.numel() == 0:
         return table.to(device)
