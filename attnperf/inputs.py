@@ -104,8 +104,38 @@ class Variant:
     sinks: Tensor | None = None
 
 
+class QueryShaped:
+    """What a call's (B, Hq, L, E) `query` tells of it, for the inputs records that hold one."""
+
+    query: Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    @property
+    def batch(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.shape[3]
+
+
 @dataclass(frozen=True)
-class AttentionInputs:
+class AttentionInputs(QueryShaped):
     """One validated call with the leading dims flattened into a batch dim B.
 
     query (B, Hq, L, E), key (B, H, S, E), value (B, H, S, Ev); attn_mask is None or a
@@ -127,14 +157,6 @@ class AttentionInputs:
     variant: Variant = field(default_factory=Variant)
 
     @property
-    def device(self) -> torch.device:
-        return self.query.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.query.dtype
-
-    @property
     def mask_kind(self) -> str | None:
         """None, "bool" or "float"."""
         if self.attn_mask is None:
@@ -142,28 +164,12 @@ class AttentionInputs:
         return "bool" if self.attn_mask.dtype == torch.bool else "float"
 
     @property
-    def batch(self) -> int:
-        return self.query.shape[0]
-
-    @property
-    def q_heads(self) -> int:
-        return self.query.shape[1]
-
-    @property
     def kv_heads(self) -> int:
         return self.key.shape[1]
 
     @property
-    def q_len(self) -> int:
-        return self.query.shape[2]
-
-    @property
     def kv_len(self) -> int:
         return self.key.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.query.shape[3]
 
     @property
     def value_dim(self) -> int:

@@ -1,21 +1,22 @@
 """Call plans: what a call shape's checks (and backend choice) found, kept for its next
-call.
+call; the one route from `api` to a backend's launcher.
 
 Checking an `attention` call and walking "auto" read only the call's metadata (shapes,
 dtypes, devices, the scalar arguments, whether a gradient is wanted), never a tensor's
 values, wherever no variant is a tensor (no attn_mask, alibi_slopes, block_mask or sinks).
 A model makes the same call layer after layer, step after step, and for short calls those
-steps cost as much as the kernel (benches/README.md, "Short sequences"). A plan keeps what
-they found under the call's
-metadata; the next call with that metadata binds its own tensors to it and runs.
+steps cost as much as the kernel (benches/README.md, "Short sequences"). Every call runs
+on a `DensePlan`: a fresh one made of its checked inputs (`plan_dense`), kept under its
+metadata where it has no tensor variant; the next call with that metadata runs on it, its
+tensors alone bound.
 
 An attention_with_kvcache call keeps the checks of its metadata alone: its lengths are
 values, checked per call, and so is the backend's choice, which may read them. Where the
-call is a plain step (a contiguous cache, one int length, no new keys, left padding or
-sinks: transformers' decoding), the chosen backend's own launcher for such steps is kept
-too (`Backend.kvcache_step`), with the lengths over which the choice stands
-(`dispatch.step_lengths`), and the next step of such a length runs on it after its
-values' checks alone.
+call is a plain step (a contiguous cache, one int length, no new keys, left padding, ALiBi,
+sinks or int8 scales: transformers' decoding), the chosen backend's own launcher for such
+steps runs it (`Backend.kvcache_step`), kept with the lengths over which the choice stands
+(`dispatch.step_lengths`): the next step of such a length runs on it after its values'
+checks alone.
 """
 
 from __future__ import annotations

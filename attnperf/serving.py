@@ -19,6 +19,7 @@ from attnperf.inputs import (
     DTYPE_NAMES,
     SUPPORTED_DTYPES,
     AttentionInputs,
+    QueryShaped,
     Sequences,
     Variant,
     band,
@@ -221,7 +222,7 @@ def padded_batch(
 
 
 @dataclass(frozen=True)
-class KVCacheInputs:
+class KVCacheInputs(QueryShaped):
     """A validated attention_with_kvcache call.
 
     query (B, Hq, Lq, E), a view of the caller's (B, Lq, Hq, E). The cache as pages:
@@ -255,32 +256,8 @@ class KVCacheInputs:
     dropout_p = 0.0
 
     @property
-    def device(self) -> torch.device:
-        return self.query.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.query.dtype
-
-    @property
-    def batch(self) -> int:
-        return self.query.shape[0]
-
-    @property
-    def q_heads(self) -> int:
-        return self.query.shape[1]
-
-    @property
     def kv_heads(self) -> int:
         return self.k_pages.shape[2]
-
-    @property
-    def q_len(self) -> int:
-        return self.query.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.query.shape[3]
 
     @property
     def value_dim(self) -> int:

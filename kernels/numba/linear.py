@@ -33,16 +33,16 @@ from torch import Tensor
 
 from attnperf.kernels.numba.jit import FASTMATH, njit, prange, run_bounds, serial
 from attnperf.kernels.numba.launch import as_numpy, float32_array, recycled_float32, run_parallel
+from attnperf.kernels.numba.linear_delta import delta_backward, delta_update
 from attnperf.kernels.numba.linear_stages import (
     CHUNK,
     FORWARD_CHUNK,
+    LinearRule,
     add_gate_terms,
     advance_state,
     aligned_float32,
     chunk_gating,
     chunk_rows,
-    chunk_update,
-    delta_matrix,
     gate_row,
     kept_shapes,
     load_rows,
@@ -52,8 +52,6 @@ from attnperf.kernels.numba.linear_stages import (
     new_states,
     new_update,
     pair_scores_backward,
-    scale_rows,
-    solve_unit_lower_transposed,
     to_raw,
 )
 from attnperf.kernels.numba.tiles import product, tiles_flag
@@ -79,9 +77,27 @@ ITEMS_PER_THREAD = 2
 
 
 # ---------------------------------------------------------------------------- kernels
+def linear_rule(inputs: LinearAttentionInputs) -> LinearRule:
+    """The call's rule as the kernels read it."""
+    return LinearRule(np.float32(inputs.scale), inputs.l2norm, inputs.g is not None,
+                      inputs.beta is not None)  # fmt: skip
+
+
+@njit(fastmath=FASTMATH)
+def chunk_update(v, beta, slot, hv, t0, rows, rule, state, scratch, kk, m, x, u, tiles):
+    """U, what value head hv's chunk writes into the state, from the state S0 before it: v
+    (the additive rule), or the delta rule's WY form (`delta_update`: kk, m and x filled
+    too); all (C, ...), [:rows] meaningful."""
+    if rule.delta:
+        delta_update(v, beta, slot, hv, t0, rows, rule, state, scratch, kk, m, x, u, tiles)
+        return
+    no_factor = scratch[1][:0, 0]
+    load_rows(v, slot, t0, rows, hv, no_factor, np.float32(1.0), False, u, no_factor)
+
+
 @njit(parallel=True, fastmath=FASTMATH)
-def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
-                           final, kept, firsts, per_item, chunk_steps, tiles):  # fmt: skip
+def linear_forward_chunked(q, k, v, g, beta, h0, sequences, rule, out, final, kept, firsts,
+                           per_item, chunk_steps, tiles):  # fmt: skip
     """out (B, T, HV, V) and final (N, HV, K, V) by chunks of chunk_steps <= CHUNK steps; h0
     (N, HV, K, V) or empty. With `kept` (kept_shapes' arrays over every sequence's chunks,
     sequence n's from firsts[n], chunk_steps = CHUNK; no chunks: nothing kept), what the
@@ -108,8 +124,8 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
         for c, t0 in enumerate(range(start, start + length, chunk_steps)):
             rows = min(chunk_steps, start + length - t0)
             chunk = firsts[n] + c
-            chunk_rows(q, k, scale, l2norm, slot, first_head // group, t0, rows, gated, True,
-                       delta, scratch, tiles)  # fmt: skip
+            chunk_rows(q, k, rule, slot, first_head // group, t0, rows, True, rule.delta,
+                       scratch, tiles)  # fmt: skip
             for hv in range(first_head, first_head + per_item):
                 padded = states[hv - first_head]
                 state = padded[:, :value_dim]
@@ -117,21 +133,20 @@ def linear_forward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated
                     starts[hv, chunk] = state
                 if kks.shape[1] > 0:
                     kk, u = kks[hv, chunk], us[hv, chunk]
-                chunk_gating(g, slot, hv, t0, rows, gated, True, scratch)
-                chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m,
-                             x, u, tiles)  # fmt: skip
+                chunk_gating(g, slot, hv, t0, rows, rule, True, scratch)
+                chunk_update(v, beta, slot, hv, t0, rows, rule, state, scratch, kk, m, x, u,
+                             tiles)  # fmt: skip
                 o = out[slot, t0 : t0 + rows, hv]
                 product(qg[:rows], state, o, 1.0, 0.0, False, False, tiles)
                 lower_times(a[:rows, :rows], u[:rows], o, 1.0, 1.0, tiles)
-                advance_state(padded, e_in, rows, gated, kd, u, tiles)
+                advance_state(padded, e_in, rows, rule, kd, u, tiles)
         for hv in range(first_head, first_head + per_item):
             final[n, hv] = states[hv - first_head, :, :value_dim]
 
 
 @njit(parallel=True, fastmath=FASTMATH)
-def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
-                            grad_out, grad_final, kept, firsts, dq, dk, dv, dg, dbeta, dh0,
-                            threads, tiles):  # fmt: skip
+def linear_backward_chunked(q, k, v, g, beta, h0, sequences, rule, grad_out, grad_final, kept,
+                            firsts, dq, dk, dv, dg, dbeta, dh0, threads, tiles):  # fmt: skip
     """Gradients by chunks in reverse: dq, dk (B, T, H, K), dv, dg (B, T, HV, gate dims),
     dbeta (B, T, HV), dh0 (N, HV, K, V); grad_final empty when none; `kept` and firsts as
     the forward wrote them, or kept without chunks: recomputed here.
@@ -151,12 +166,11 @@ def linear_backward_chunked(q, k, v, g, beta, h0, sequences, scale, l2norm, gate
     recompute = kept[0].shape[1] == 0
     for worker in prange(workers):
         buffers = backward_buffers(group, most if recompute else 0, head_dim, value_dim,
-                                   gate_dims, delta)  # fmt: skip
+                                   gate_dims, rule.delta)  # fmt: skip
         for item in range(worker, items, workers):
             n, hk = np.int64(item) // key_heads, np.int64(item) % key_heads
-            backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
-                          grad_out, grad_final, kept, firsts[n], grads, n, hk, buffers,
-                          tiles)  # fmt: skip
+            backward_item(q, k, v, g, beta, h0, sequences, rule, grad_out, grad_final, kept,
+                          firsts[n], grads, n, hk, buffers, tiles)  # fmt: skip
 
 
 @njit(fastmath=FASTMATH)
@@ -181,8 +195,8 @@ def backward_buffers(group, chunks, head_dim, value_dim, gate_dims, delta):
 
 
 @njit(fastmath=FASTMATH)
-def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, grad_out,
-                  grad_final, kept, first, grads, n, hk, buffers, tiles):  # fmt: skip
+def backward_item(q, k, v, g, beta, h0, sequences, rule, grad_out, grad_final, kept, first,
+                  grads, n, hk, buffers, tiles):  # fmt: skip
     """Sequence n, key head hk of linear_backward_chunked with its value heads, in its
     thread's buffers: each value head's chunk start states (and WY results) from `kept`
     (its chunks from `first`), or when it has none, from a first pass over the chunks; then
@@ -192,7 +206,7 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
     dq, dk, dv, dg, dbeta, dh0 = grads
     own_kept, states, scratch, update, work = buffers
     kk, m, x, u = update
-    dss, du, da, dqg, dkd, dqs, dk_c, dg_c, own, to_last, dx, dz, dkk, row, decays = work
+    dss, du, da, dqg, dkd, dqs, dk_c, dg_c, own, to_last, _, _, _, row, decays = work
     heads, value_dim = v.shape[2], v.shape[3]
     head_dim, gate_dims = k.shape[3], g.shape[3]
     group = heads // k.shape[2]
@@ -214,18 +228,17 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
         for c in range(chunks):
             t0 = start + c * CHUNK
             rows = min(CHUNK, start + length - t0)
-            chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, False, delta, scratch,
-                       tiles)  # fmt: skip
+            chunk_rows(q, k, rule, slot, hk, t0, rows, False, rule.delta, scratch, tiles)
             for member in range(group):
                 hv, padded = first_head + member, states[member]
                 state = padded[:, :value_dim]
                 starts[member, c] = state
-                if delta:
+                if rule.delta:
                     kk, u = kks[member, c], us[member, c]
-                chunk_gating(g, slot, hv, t0, rows, gated, False, scratch)
-                chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, x,
-                             u, tiles)  # fmt: skip
-                advance_state(padded, e_in, rows, gated, kd, u, tiles)
+                chunk_gating(g, slot, hv, t0, rows, rule, False, scratch)
+                chunk_update(v, beta, slot, hv, t0, rows, rule, state, scratch, kk, m, x, u,
+                             tiles)  # fmt: skip
+                advance_state(padded, e_in, rows, rule, kd, u, tiles)
     for member in range(group):
         if grad_final.shape[0] > 0:
             dss[member, :, :value_dim] = grad_final[n, first_head + member]
@@ -234,19 +247,18 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
     for c in range(chunks - 1, -1, -1):
         t0 = start + c * CHUNK
         rows = min(CHUNK, start + length - t0)
-        chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, True, False, scratch, tiles)
+        chunk_rows(q, k, rule, slot, hk, t0, rows, True, False, scratch, tiles)
         dqs[:rows] = 0.0
         dk_c[:rows] = 0.0
         for member in range(group):
             hv, at, chunk = first_head + member, kept_head + member, first + c
             s0, ds_padded = starts[at, chunk], dss[member]
             ds = ds_padded[:, :value_dim]
-            chunk_gating(g, slot, hv, t0, rows, gated, True, scratch)
-            if delta:
+            chunk_gating(g, slot, hv, t0, rows, rule, True, scratch)
+            if rule.delta:
                 kk, u = kks[at, chunk], us[at, chunk]
             else:
-                chunk_update(v, beta, slot, hv, t0, rows, gated, delta, s0, scratch, kk, m, x,
-                             u, tiles)  # fmt: skip
+                chunk_update(v, beta, slot, hv, t0, rows, rule, s0, scratch, kk, m, x, u, tiles)
             k_c = kc[:rows]
             do = grad_out[slot, t0 : t0 + rows, hv]
             dg_c[:rows] = 0.0
@@ -258,7 +270,7 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
             product(do, u[:rows], da[:rows, :rows], 1.0, 0.0, False, True, tiles)
             product(do, s0, dqg[:rows], 1.0, 0.0, False, True, tiles)
             product(u[:rows], ds, dkd[:rows], 1.0, 0.0, False, True, tiles)
-            if gated:  # S1's exp(Gamma_last) S0 term, before ds becomes dS0
+            if rule.gated:  # S1's exp(Gamma_last) S0 term, before ds becomes dS0
                 for d in range(head_dim):
                     gd = d if gate_dims > 1 else 0
                     factor = e_in[rows - 1, gd]
@@ -269,39 +281,13 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
                     for e in range(value_dim):
                         ds_padded[d, e] *= factor
             product(qg[:rows], do, ds, 1.0, 1.0, True, False, tiles)
-            if delta:  # U = (I + M)^-1 Z, Z = diag(beta) v - X S0, M = diag(beta) kk
-                b_c = beta[slot, t0 : t0 + rows, hv]
-                delta_matrix(kk, b_c, rows, m)
-                dz[:rows] = du[:rows]
-                solve_unit_lower_transposed(m, rows, dz, tiles)
-                scale_rows(kc[:rows], b_c, e_in, x[:rows])
-                product(dz[:rows], s0, dx[:rows], -1.0, 0.0, False, True, tiles)
-                product(x[:rows], dz[:rows], ds, -1.0, 1.0, True, False, tiles)
-                # dM = -T^T (dU Z^T) T^T = -dZ U^T; its entries below the diagonal are read
-                product(dz[:rows], u[:rows], dkk[:rows, :rows], -1.0, 0.0, False, True, tiles)
-                for i in range(rows):  # x = beta kg, kg = k exp(Gamma); z = beta v - x S0
-                    b = b_c[i]
-                    gate_row(e_in, i, decays)
-                    total = np.float32(0.0)
-                    for d in range(head_dim):
-                        kg = k_c[i, d] * decays[d]
-                        total += dx[i, d] * kg
-                        dk_c[i, d] += dx[i, d] * b * decays[d]
-                        row[d] = dx[i, d] * b * kg
-                    add_gate_terms(row, own, i)
-                    for e in range(value_dim):
-                        total += dz[i, e] * v[slot, t0 + i, hv, e]
-                        dv[slot, t0 + i, hv, e] = dz[i, e] * b
-                    for j in range(i):
-                        total += dkk[i, j] * kk[i, j]
-                        dkk[i, j] *= b
-                    dbeta[slot, t0 + i, hv] = total
-                pair_scores_backward(dkk, kk, k_c, k_c, gamma, gated, 1, dk_c[:rows],
-                                     dk_c[:rows], dg_c, tiles)  # fmt: skip
+            if rule.delta:  # U = (I + M)^-1 Z, Z = diag(beta) v - X S0, M = diag(beta) kk
+                delta_backward(v, beta, slot, hv, t0, rows, rule, s0, ds, kk, u, update,
+                               scratch, work, dv, dbeta, tiles)  # fmt: skip
             else:
                 dv[slot, t0 : t0 + rows, hv] = du[:rows]
-            pair_scores_backward(da, a, qs[:rows], k_c, gamma, gated, 0, dqs[:rows], dk_c[:rows],
-                                 dg_c, tiles)  # fmt: skip
+            pair_scores_backward(da, a, qs[:rows], k_c, gamma, rule.gated, 0, dqs[:rows],
+                                 dk_c[:rows], dg_c, tiles)  # fmt: skip
             for i in range(rows):  # qg = q^ exp(Gamma), kd = k exp(Gamma_last - Gamma)
                 gate_row(e_in, i, decays)
                 for d in range(head_dim):
@@ -313,7 +299,7 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
                     dk_c[i, d] += dkd[i, d] * decays[d]
                     row[d] = dkd[i, d] * kd[i, d]
                 add_gate_terms(row, to_last, i)
-            if gated:  # Gamma_i = sum_{s <= i} g_s
+            if rule.gated:  # Gamma_i = sum_{s <= i} g_s
                 for d in range(gate_dims):
                     total = np.float32(0.0)  # own terms of i >= s
                     for i in range(rows - 1, -1, -1):
@@ -325,8 +311,8 @@ def backward_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, 
                         dg_c[i, d] += total
                 dg[slot, t0 : t0 + rows, hv] = dg_c[:rows]
         for i in range(rows):  # to the raw q and k (through their l2norm, when asked)
-            to_raw(dqs[i], qs[i], scale, q_inv[i], l2norm, dq[slot, t0 + i, hk])
-            to_raw(dk_c[i], kc[i], np.float32(1.0), k_inv[i], l2norm, dk[slot, t0 + i, hk])
+            to_raw(dqs[i], qs[i], rule.scale, q_inv[i], rule.l2norm, dq[slot, t0 + i, hk])
+            to_raw(dk_c[i], kc[i], np.float32(1.0), k_inv[i], rule.l2norm, dk[slot, t0 + i, hk])
     for member in range(group):
         dh0[n, first_head + member] = dss[member, :, :value_dim]
 
@@ -341,8 +327,7 @@ def recurrent_scratch(head_dim, value_dim):
 
 
 @njit(fastmath=FASTMATH)
-def recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out, final,
-                   n, hv, scratch):  # fmt: skip
+def recurrent_item(q, k, v, g, beta, h0, sequences, rule, out, final, n, hv, scratch):
     """The recurrence token by token for sequence n, value head hv, fused: its state is
     read, updated in `final` and written once; for decoding and short sequences."""
     value_dim, head_dim = v.shape[3], k.shape[3]
@@ -359,10 +344,11 @@ def recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
     rows, no_norms, step_decay, read_k, read_q, update = scratch
     no_factor = no_norms[:0]
     for t in range(start, start + length):
-        load_rows(q, slot, t, 1, hk, no_factor, scale, l2norm, rows[0:1], no_norms)
-        load_rows(k, slot, t, 1, hk, no_factor, np.float32(1.0), l2norm, rows[1:2], no_norms)
+        load_rows(q, slot, t, 1, hk, no_factor, rule.scale, rule.l2norm, rows[0:1], no_norms)
+        load_rows(k, slot, t, 1, hk, no_factor, np.float32(1.0), rule.l2norm, rows[1:2],
+                  no_norms)  # fmt: skip
         q_t, k_t, v_t = rows[0], rows[1], v[slot, t, hv]
-        if gated:
+        if rule.gated:
             for d in range(head_dim):
                 step_decay[d] = np.exp(g[slot, t, hv, d if g.shape[3] > 1 else 0])
         # S' = diag(step_decay) S: S'^T k = S^T (step_decay k), S'^T q^ likewise.
@@ -376,9 +362,9 @@ def recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
             for e in range(value_dim):
                 read_k[e] += row[e] * kd
                 read_q[e] += row[e] * qd
-        b = beta[slot, t, hv] if delta else np.float32(1.0)
+        b = beta[slot, t, hv] if rule.delta else np.float32(1.0)
         for e in range(value_dim):
-            update[e] = b * (v_t[e] - read_k[e]) if delta else v_t[e]
+            update[e] = b * (v_t[e] - read_k[e]) if rule.delta else v_t[e]
             out[slot, t, hv, e] = read_q[e] + update[e] * overlap
         for d in range(head_dim):
             row, old, kd, dd = state[d], source[d], k_t[d], step_decay[d]
@@ -388,8 +374,7 @@ def recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta,
 
 
 @njit(parallel=True, fastmath=FASTMATH)
-def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
-                             final, threads):  # fmt: skip
+def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, rule, out, final, threads):
     """recurrent_item of every (sequence, value head), in parallel: a run of items a thread,
     its scratch made once (made per item, six arrays an item, it was a third of a
     step's time)."""
@@ -400,8 +385,8 @@ def linear_forward_recurrent(q, k, v, g, beta, h0, sequences, scale, l2norm, gat
         scratch = recurrent_scratch(k.shape[3], v.shape[3])
         first, last = run_bounds(worker, workers, items)
         for item in range(first, last):
-            recurrent_item(q, k, v, g, beta, h0, sequences, scale, l2norm, gated, delta, out,
-                           final, item // heads, item % heads, scratch)  # fmt: skip
+            recurrent_item(q, k, v, g, beta, h0, sequences, rule, out, final, item // heads,
+                           item % heads, scratch)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -476,8 +461,7 @@ def numba_linear_forward(
     # A decoding step's new state, on the memory of a replaced one (see recycled_float32).
     new_state = recycled_float32 if recurrent else float32_array
     final, final_array = new_state(inputs.state_shape, zero=not runs)
-    args = (*_arrays(inputs), np.float32(inputs.scale), inputs.l2norm, inputs.g is not None,
-            inputs.beta is not None, out_array, final_array)  # fmt: skip
+    args = (*_arrays(inputs), linear_rule(inputs), out_array, final_array)
     if recurrent:
         if runs and math.prod(inputs.state_shape) * 4 >= PARALLEL_MIN_BYTES:
             run_parallel(linear_forward_recurrent, *args, torch.get_num_threads())
@@ -518,8 +502,7 @@ def numba_linear_backward(
                       (batch, steps, heads, gate_dims), (batch, steps, heads), inputs.state_shape)
     ]  # fmt: skip
     if runs:
-        run_parallel(linear_backward_chunked, *arrays, np.float32(inputs.scale), inputs.l2norm,
-                     inputs.g is not None, inputs.beta is not None, do, d_final, kept_arrays,
-                     firsts, *(array for _, array in buffers),
+        run_parallel(linear_backward_chunked, *arrays, linear_rule(inputs), do, d_final,
+                     kept_arrays, firsts, *(array for _, array in buffers),
                      torch.get_num_threads(), tiles_flag())  # fmt: skip
     return inputs.as_gradients(*(tensor for tensor, _ in buffers))

@@ -1,8 +1,11 @@
-"""The chunked linear-attention rules' stages, each a named function over one chunk of one
-head: its gates, the products of its rows (the pair scores and their backward), the delta
-rule's triangular solves, the state's update and advance, and their buffers."""
+"""The chunked linear-attention rules' shared stages, each a named function over one chunk of
+one head: its gates, the products of its rows (the pair scores and their backward), the
+state's advance, and their buffers; the rule (`LinearRule`) they read. The delta rule's own
+stages (its WY form, the triangular solves, their backward) are linear_delta's."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,9 +22,6 @@ from attnperf.linear_inputs import L2NORM_EPS
 # (twice the start states kept and read).
 CHUNK = 64
 FORWARD_CHUNK = 32
-# Rows of a block of the delta rule's triangular solves: the rows of earlier blocks reach a
-# block in one product, the block's own by substitution (row pairs of V-wide vectors).
-SOLVE_ROWS = 16
 # Rows of a block of the products with a triangular side: a block of rows i0 .. i0 + 15
 # reads (or writes) columns up to i0 + 15 only, 10/16 of the whole square's work at C = 64
 # (the micro-kernels hold 16 columns a vector).
@@ -31,6 +31,18 @@ TRIANGLE_ROWS = 16
 PREFETCH_ROWS = 2
 # Floats a running state's rows run past V (new_states).
 STATE_PAD = 16
+
+
+class LinearRule(NamedTuple):
+    """A call's rule as every kernel and stage reads it (a named tuple numba reads by field):
+    scale, q's factor (float32); l2norm, whether q and k are normalised first; gated, whether
+    gates decay the state (g given); delta, whether the delta rule writes it (beta given;
+    else the additive rule). The delta rule's own stages live in linear_delta."""
+
+    scale: np.float32
+    l2norm: bool
+    gated: bool
+    delta: bool
 
 
 @njit(fastmath=FASTMATH)
@@ -215,48 +227,6 @@ def add_gate_terms(row, terms, i):
 
 
 @njit(fastmath=FASTMATH)
-def delta_matrix(kk, b_c, rows, m):
-    """m[i, j] <- b_c[i] kk[i, j] below the diagonal (j < i < rows): the WY form's M (only
-    its entries below the diagonal are ever read)."""
-    for i in range(rows):
-        for j in range(i):
-            m[i, j] = b_c[i] * kk[i, j]
-
-
-@njit(fastmath=FASTMATH)
-def solve_unit_lower(m, rows, x, tiles):
-    """x[:rows] <- (I + m)^-1 x[:rows] for m strictly lower triangular (only its entries
-    below the diagonal are read): forward substitution by blocks of SOLVE_ROWS rows, each
-    block first taking the earlier rows' share in one product. Cheaper than forming the
-    inverse (whose row-by-row substitution ran on short, mostly scalar loops) and then
-    multiplying by it."""
-    for i0 in range(0, rows, SOLVE_ROWS):
-        i1 = min(i0 + SOLVE_ROWS, rows)
-        if i0 > 0:
-            product(m[i0:i1, :i0], x[:i0], x[i0:i1], -1.0, 1.0, False, False, tiles)
-        for i in range(i0 + 1, i1):
-            for j in range(i0, i):
-                coefficient = m[i, j]
-                for e in range(x.shape[1]):
-                    x[i, e] -= coefficient * x[j, e]
-
-
-@njit(fastmath=FASTMATH)
-def solve_unit_lower_transposed(m, rows, x, tiles):
-    """x[:rows] <- (I + m)^-T x[:rows] for m strictly lower triangular: back substitution
-    by blocks of SOLVE_ROWS rows from the last (solve_unit_lower's transpose)."""
-    for i0 in range((rows - 1) // SOLVE_ROWS * SOLVE_ROWS, -1, -SOLVE_ROWS):
-        i1 = min(i0 + SOLVE_ROWS, rows)
-        if i1 < rows:
-            product(m[i1:rows, i0:i1], x[i1:rows], x[i0:i1], -1.0, 1.0, True, False, tiles)
-        for i in range(i1 - 2, i0 - 1, -1):
-            for j in range(i + 1, i1):
-                coefficient = m[j, i]
-                for e in range(x.shape[1]):
-                    x[i, e] -= coefficient * x[j, e]
-
-
-@njit(fastmath=FASTMATH)
 def scale_rows(x, factors, e, out):
     """out[i, d] = x[i, d] * factors[i] * e[i, d] (e's one column for every d when it has
     one); factors may be empty (1)."""
@@ -294,68 +264,48 @@ def load_rows(x, slot, t0, rows, h, factors, scale, l2norm, out, inverse_norms):
 
 
 @njit(fastmath=FASTMATH)
-def chunk_rows(q, k, scale, l2norm, slot, hk, t0, rows, gated, scores, delta, scratch, tiles):
+def chunk_rows(q, k, rule, slot, hk, t0, rows, scores, pairs, scratch, tiles):
     """What the value heads of key head hk share of chunk t0 .. t0 + rows - 1, into `scratch`
     (new_scratch's arrays, (C, ...); only [:rows] is meaningful): kc = k
-    (normalised when asked), k_inv its rows' inverse norms; with `scores` also qs = q^
-    (scaled; normalised when asked), q_inv, and qk = plain_pair_products(qs, kc); with
-    `delta` kk_plain = plain_pair_products(kc, kc)."""
+    (normalised when the rule asks), k_inv its rows' inverse norms; with `scores` also qs =
+    q^ (scaled; normalised when asked), q_inv, and qk = plain_pair_products(qs, kc); with
+    `pairs` (the delta rule's) kk_plain = plain_pair_products(kc, kc)."""
     gamma, e_in, _, qs, kc, q_inv, k_inv, _, _, _, qk, kk_plain, _ = scratch
     no_factor = e_in[:0, 0]
-    load_rows(k, slot, t0, rows, hk, no_factor, np.float32(1.0), l2norm, kc, k_inv)
+    load_rows(k, slot, t0, rows, hk, no_factor, np.float32(1.0), rule.l2norm, kc, k_inv)
     if scores:
-        load_rows(q, slot, t0, rows, hk, no_factor, scale, l2norm, qs, q_inv)
-        plain_pair_products(qs[:rows], kc[:rows], gamma, gated, qk, tiles)
-    if delta:
-        plain_pair_products(kc[:rows], kc[:rows], gamma, gated, kk_plain, tiles)
+        load_rows(q, slot, t0, rows, hk, no_factor, rule.scale, rule.l2norm, qs, q_inv)
+        plain_pair_products(qs[:rows], kc[:rows], gamma, rule.gated, qk, tiles)
+    if pairs:
+        plain_pair_products(kc[:rows], kc[:rows], gamma, rule.gated, kk_plain, tiles)
 
 
 @njit(fastmath=FASTMATH)
-def chunk_gating(g, slot, hv, t0, rows, gated, scores, scratch):
+def chunk_gating(g, slot, hv, t0, rows, rule, scores, scratch):
     """Value head hv's share of a chunk, after chunk_rows, into `scratch`: gamma, e_in,
     e_out (chunk_gates; 0, 1, 1 when ungated), pair_decay (pair_decays, for a gate a step), kd
     = k exp(Gamma_last - Gamma); with `scores` also a = A and qg = q^ exp(Gamma)."""
     gamma, e_in, e_out, qs, kc, _, _, a, qg, kd, qk, _, pair_decay = scratch
-    if gated:
+    if rule.gated:
         chunk_gates(g, slot, t0, rows, hv, gamma, e_in, e_out)
         if gamma.shape[1] == 1:
             pair_decays(gamma, rows, pair_decay)
     no_factor = e_in[:0, 0]
     scale_rows(kc[:rows], no_factor, e_out, kd[:rows])
     if scores:
-        pair_scores(qs[:rows], kc[:rows], qk, gamma, pair_decay, gated, 0, a)
+        pair_scores(qs[:rows], kc[:rows], qk, gamma, pair_decay, rule.gated, 0, a)
         scale_rows(qs[:rows], no_factor, e_in, qg[:rows])
 
 
 @njit(fastmath=FASTMATH)
-def chunk_update(v, beta, slot, hv, t0, rows, gated, delta, state, scratch, kk, m, x, u, tiles):
-    """U, what the chunk writes into the state, from the state S0 before it: v (the additive
-    rule), or the WY form U = (I + M)^-1 Z (delta rule), with kk (M without beta), m = M,
-    x = beta k exp(Gamma) and Z = beta v - x S0; all (C, ...), [:rows] meaningful."""
-    gamma, e_in, kc, kk_plain, pair_decay = (scratch[0], scratch[1], scratch[4], scratch[11],
-                                             scratch[12])  # fmt: skip
-    no_factor = e_in[:0, 0]
-    if not delta:
-        load_rows(v, slot, t0, rows, hv, no_factor, np.float32(1.0), False, u, no_factor)
-        return
-    b_c = beta[slot, t0 : t0 + rows, hv]
-    pair_scores(kc[:rows], kc[:rows], kk_plain, gamma, pair_decay, gated, 1, kk)
-    delta_matrix(kk, b_c, rows, m)
-    scale_rows(kc[:rows], b_c, e_in, x[:rows])
-    load_rows(v, slot, t0, rows, hv, b_c, np.float32(1.0), False, u, no_factor)
-    product(x[:rows], state, u[:rows], -1.0, 1.0, False, False, tiles)
-    solve_unit_lower(m, rows, u, tiles)
-
-
-@njit(fastmath=FASTMATH)
-def advance_state(padded, e_in, rows, gated, kd, u, tiles):
+def advance_state(padded, e_in, rows, rule, kd, u, tiles):
     """S <- exp(Gamma_last) S + kd^T U: the state after the chunk, S the first V columns of
     `padded` (new_states')."""
     state = padded[:, : u.shape[1]]
     decay = np.float32(1.0)
-    if gated and e_in.shape[1] == 1:  # one gate a step: the product scales S as it adds
+    if rule.gated and e_in.shape[1] == 1:  # one gate a step: the product scales S as it adds
         decay = e_in[rows - 1, 0]
-    elif gated:
+    elif rule.gated:
         for d in range(padded.shape[0]):
             factor = e_in[rows - 1, d]
             for e in range(u.shape[1]):
