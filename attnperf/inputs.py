@@ -227,6 +227,20 @@ class AttentionInputs(QueryShaped):
         return {name for name, needed in wanted.items() if needed}
 
     @property
+    def has_tensor_variant(self) -> bool:
+        """Whether the mask or a variant is a tensor (or a table of this call's sequences):
+        values that belong to this call alone, which no forward kept for its metadata holds
+        (`Backend.forward_for`)."""
+        variant = self.variant
+        return (
+            self.attn_mask is not None
+            or variant.sequences is not None
+            or variant.alibi_slopes is not None
+            or variant.block_mask is not None
+            or variant.sinks is not None
+        )
+
+    @property
     def has_pairs(self) -> bool:
         """Whether any (query, key) pair exists: zero-size batch, heads or lengths have none
         (head dim 0 still has pairs, of score 0)."""

@@ -11,6 +11,7 @@ import attnperf
 from attnperf import api, cpu_table, dispatch, plans
 from attnperf.inputs import prepare
 from attnperf.kernels.numba import attention, launch
+from attnperf.kernels.triton.attention import TritonForward
 
 
 @pytest.fixture(autouse=True)
@@ -417,20 +418,33 @@ def test_a_step_is_kept_per_thread_count_and_grad_mode(binds):
     assert binds[0] == (2 if threads == 1 else 3)  # a thread count's first, no_grad's first
 
 
-def test_a_numba_plan_keeps_its_forward_and_reads_each_calls_strides(prepares):
-    """numba's plan keeps its forward (`Backend.forward_for`), which reads each call's
-    q, k, v at their own strides: a (B, L, H, E) view of the planned shape gives its own
-    result, not one of the layout the plan was made for."""
+@pytest.mark.parametrize("backend", ["numba", "triton"])
+def test_a_fused_plan_keeps_its_forward_and_reads_each_calls_strides(prepares, backend):
+    """A fused backend's plan keeps its forward (`Backend.forward_for`: numba's
+    DenseForward, triton's TritonForward), which reads each call's q, k, v at their own
+    strides: a (B, L, H, E) view of the planned shape gives its own result, not one of the
+    layout the plan was made for; with a gradient to come too."""
+    chosen = dispatch.registry()[backend]
+    if chosen.unavailable_reason() is not None:
+        pytest.skip(chosen.unavailable_reason())
     q, k, v = qkv(2, 3, 16, 8)
-    attnperf.attention(q, k, v, backend="numba")
+    attnperf.attention(q, k, v, backend=backend)
     (plan,) = plans._PLANS.values()
-    assert isinstance(plan.forward, attention.DenseForward)
+    kept = {"numba": attention.DenseForward, "triton": TritonForward}[backend]
+    assert isinstance(plan.forward, kept)
     views = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(2, 3, 16, 8))
     for call in (views, qkv(2, 3, 16, 8), views):  # the strides it reuses, then others
-        out = attnperf.attention(*call, backend="numba")
+        out = attnperf.attention(*call, backend=backend)
         expected = torch.nn.functional.scaled_dot_product_attention(*call)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert prepares[0] == 1
+    leaves = [t.clone().requires_grad_() for t in views]
+    attnperf.attention(*leaves, backend=backend).sum().backward()
+    attnperf.attention(*leaves, backend=backend).sum().backward()  # on its kept forward
+    expected = [t.clone().requires_grad_() for t in views]
+    torch.nn.functional.scaled_dot_product_attention(*expected).sum().backward()
+    for got, want in zip(leaves, expected, strict=True):
+        torch.testing.assert_close(got.grad, 2 * want.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_a_first_numba_call_works_out_its_forward_once(monkeypatch):

@@ -235,12 +235,9 @@ def numba_forward_for(inputs: AttentionInputs) -> DenseForward | None:
     no variant is a tensor (a mask, ALiBi slopes, a block layout or sinks: the kernel's
     variant holds their values), else None. Its calls' metadata fixes whether they read the
     stats (a gradient to come, the LSE asked): where not, it returns None for them."""
-    variant = inputs.variant
-    tensors = (inputs.attn_mask, variant.sequences, variant.alibi_slopes, variant.block_mask,
-               variant.sinks)  # fmt: skip
-    if any(t is not None for t in tensors):
+    if inputs.has_tensor_variant:
         return None
-    return DenseForward(inputs, keep_stats=inputs.needs_grad or variant.return_lse)
+    return DenseForward(inputs, keep_stats=inputs.needs_grad or inputs.variant.return_lse)
 
 
 def query_tiles(inputs: AttentionInputs, variant: LoweredVariant, block_m: int) -> int:

@@ -342,38 +342,75 @@ def attention_backward_dq_kernel(
     )
 
 
+class TritonForward:
+    """triton's forward for calls of one metadata: what the call's metadata decides (the
+    output's dtype and shape, the variant's kernel arguments with their device tables and
+    dummies, the grid and the sizes) worked out once; a call binds its own q, k, v and
+    launches. attnperf.plans keeps one per call metadata (`Backend.forward_for`): a GPU
+    call's host time is what a short call pays.
+
+    forward(query, key, value) -> (out (B, Hq, L, Ev) in the inputs' dtype, softmax stats
+    (B, Hq, L, 2) fp32: each row's base-2 max and sum, 0 and 0 for a row that sees no key,
+    a bf16 or fp16 out's rounding residual where an input requires grad, else None:
+    `FusedBackend`), of a call with the metadata it was made for, its mask and other tensor
+    variants those of the call it was made of."""
+
+    def __init__(self, inputs: AttentionInputs):
+        query = inputs.query
+        self.dtype, self.device = query.dtype, query.device
+        self.keep_residual = inputs.differentiable and query.dtype in ROUNDED_DTYPES
+        # Stored in fp32 where a residual is kept: the kernel's rounding leaves none to keep.
+        self.out_dtype = torch.float32 if self.keep_residual else store_dtype(query.dtype)
+        self.out_shape = (*query.shape[:3], inputs.value_dim)
+        self.stats_shape = (*query.shape[:3], 2)
+        self.no_work = not inputs.has_pairs and inputs.variant.sinks is None  # no key is seen
+        self.zero = inputs.has_padding  # no kernel writes a padded batch's padding rows
+        if self.no_work:
+            return
+        mask, self.mask_strides, mask_kind = mask_args(inputs, query)
+        self.mask = None if inputs.attn_mask is None else mask  # None: the query stands for it
+        variant_args, variant_flags = lower_variant(inputs)
+        sequences = inputs.sequences
+        longest, heads = sequences.max_q_len, sequences.count * inputs.q_heads
+        self.grid = lambda meta: (triton.cdiv(longest, meta["BLOCK_M"]), heads)
+        self.sizes = (
+            inputs.q_heads, inputs.q_heads // inputs.kv_heads, inputs.q_len, inputs.head_dim,
+            inputs.value_dim, inputs.scale * LOG2E, next_power_of_2(longest),
+            next_power_of_2(sequences.max_kv_len), math.gcd(*sequences.table[:, 4].tolist()),
+        )  # fmt: skip
+        self.keywords = {**variant_args, **sink_args(inputs), "MASK_KIND": mask_kind,
+                         **variant_flags, **kernel_flags(inputs)}  # fmt: skip
+
+    def __call__(
+        self, query: Tensor, key: Tensor, value: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        q, k, v = query.detach(), key.detach(), value.detach()
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=self.device)
+        if self.no_work:
+            out, residual = rounded_output(out.zero_(), self.dtype, self.keep_residual)
+            return out, stats.zero_(), residual
+        if self.zero:
+            out.zero_(), stats.zero_()
+        mask = q if self.mask is None else self.mask
+        online_softmax_forward_kernel[self.grid](
+            q, k, v, mask, out, stats, *q.stride(), *k.stride(), *v.stride(), *self.mask_strides,
+            *out.stride(), *self.sizes, **self.keywords,
+        )  # fmt: skip
+        out, residual = rounded_output(out, self.dtype, self.keep_residual)
+        return out, stats, residual
+
+
 def triton_attention_forward(inputs: AttentionInputs) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(out (B, Hq, L, Ev) in the inputs' dtype, softmax stats (B, Hq, L, 2) fp32: each
-    row's base-2 max and sum, 0 and 0 for a row that sees no key, a bf16 or fp16 out's
-    rounding residual where an input requires grad, else None: `FusedBackend`)."""
-    q, k, v = inputs.query.detach(), inputs.key.detach(), inputs.value.detach()
-    q_heads, q_len = q.shape[1], q.shape[2]
-    keep_residual = inputs.differentiable and q.dtype in ROUNDED_DTYPES
-    # Stored in fp32 where a residual is kept: the kernel's rounding leaves none to keep.
-    out_dtype = torch.float32 if keep_residual else store_dtype(q.dtype)
-    out = torch.empty((*q.shape[:3], inputs.value_dim), dtype=out_dtype, device=q.device)
-    stats = torch.empty((*q.shape[:3], 2), dtype=torch.float32, device=q.device)
-    if not inputs.has_pairs and inputs.variant.sinks is None:  # no key is seen
-        out, residual = rounded_output(out.zero_(), q.dtype, keep_residual)
-        return out, stats.zero_(), residual
-    if inputs.has_padding:  # no kernel writes a padded batch's padding rows
-        out.zero_(), stats.zero_()
-    mask, mask_strides, mask_kind = mask_args(inputs, q)
-    variant_args, variant_flags = lower_variant(inputs)
-    sequences = inputs.sequences
-    longest = sequences.max_q_len
-    heads = sequences.count * q_heads
-    grid = lambda meta: (triton.cdiv(longest, meta["BLOCK_M"]), heads)  # noqa: E731
-    online_softmax_forward_kernel[grid](
-        q, k, v, mask, out, stats, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
-        *out.stride(), q_heads, q_heads // inputs.kv_heads, q_len, inputs.head_dim,
-        inputs.value_dim, inputs.scale * LOG2E, next_power_of_2(longest),
-        next_power_of_2(sequences.max_kv_len), math.gcd(*sequences.table[:, 4].tolist()),
-        **variant_args, **sink_args(inputs), MASK_KIND=mask_kind, **variant_flags,
-        **kernel_flags(inputs),
-    )  # fmt: skip
-    out, residual = rounded_output(out, q.dtype, keep_residual)
-    return out, stats, residual
+    """`TritonForward`'s result for this call."""
+    return TritonForward(inputs)(inputs.query, inputs.key, inputs.value)
+
+
+def triton_forward_for(inputs: AttentionInputs) -> TritonForward | None:
+    """triton's `Backend.forward_for`: the forward for calls with `inputs`' metadata, where
+    no variant is a tensor (a mask, ALiBi slopes, a block layout or sinks: the forward
+    holds the call's own), else None."""
+    return None if inputs.has_tensor_variant else TritonForward(inputs)
 
 
 def triton_attention_backward(

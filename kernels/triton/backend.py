@@ -6,7 +6,11 @@ import torch
 
 from attnperf.backend import FEATURES, Capabilities, FusedBackend, built_mask
 from attnperf.inputs import AttentionInputs
-from attnperf.kernels.triton.attention import triton_attention_backward, triton_attention_forward
+from attnperf.kernels.triton.attention import (
+    triton_attention_backward,
+    triton_attention_forward,
+    triton_forward_for,
+)
 from attnperf.kernels.triton.jit import INTERPRET, MAX_HEAD_DIM, MISSING
 from attnperf.kernels.triton.kvcache import triton_kvcache_forward
 from attnperf.kernels.triton.linear import triton_linear_backward, triton_linear_forward
@@ -29,6 +33,7 @@ class TritonBackend(FusedBackend):
 
     forward = staticmethod(triton_attention_forward)
     backward = staticmethod(triton_attention_backward)
+    forward_for = staticmethod(triton_forward_for)
     kvcache_forward = staticmethod(triton_kvcache_forward)
     linear_forward = staticmethod(triton_linear_forward)
     linear_backward = staticmethod(triton_linear_backward)
