@@ -10,27 +10,24 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from attnperf.inputs import DTYPE_NAMES, AttentionInputs
+from attnperf.inputs import DTYPE_NAMES, VARIANT_KEYWORDS, AttentionInputs
 from attnperf.linear_inputs import LinearAttentionInputs
 from attnperf.serving import KVCacheInputs
 
 # Every feature a call may need, with the words a refusal uses. A backend serves only what
-# it declares: a feature nobody declared is refused everywhere, with its reason.
+# it lists: a feature nobody listed (a new variant's, say) is refused everywhere, with its
+# reason, until a backend that implements it lists it.
 FEATURES = {
     "bool_mask": "bool attn_mask",
     "float_mask": "float attn_mask",
     "causal": "is_causal",
-    "window": "window",
+    # The variant keywords' own, as they declare them (attnperf.inputs.VARIANT_KEYWORDS).
+    **{keyword.feature: keyword.words for keyword in VARIANT_KEYWORDS if keyword.feature},
     "bottom_right": "align='bottom_right' with L != S",
-    "softcap": "softcap",
-    "alibi": "alibi_slopes",
-    "block_mask": "block_mask",
-    "lse": "return_lse",
     "gqa": "grouped-query attention",
     "dropout": "dropout_p > 0",
     "backward": "backward (inputs require grad)",
     "func_grad": "torch.func's grad and jvp transforms (use loss.backward(), or vmap alone)",
-    "sinks": "sinks",
     "varlen": "packed variable-length sequences (attention_varlen)",
     "kvcache": "KV-cache attention (attention_with_kvcache)",
     "kvcache_backward": "backward through attention_with_kvcache (inference only)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,6 +103,58 @@ class Variant:
     return_lse: bool = False
     sequences: Sequences | None = None
     sinks: Tensor | None = None
+
+
+# The scalar types a plan's key may hold of a number argument: each value of these types
+# checks alike (is_causal=1 is refused where True is not, so a key never mixes them).
+PLAIN_NUMBERS = (float, int)
+
+
+def plain_window(window: object) -> bool:
+    """Whether `window` is None or a tuple of two ints or Nones, as a plan's key holds it."""
+    return window is None or (
+        type(window) is tuple
+        and len(window) == 2
+        and all(side is None or type(side) is int for side in window)
+    )
+
+
+@dataclass(frozen=True)
+class VariantKeyword:
+    """One of `attention`'s variant keywords, declared once. Derived from it: the feature a
+    call that sets it needs a backend to declare (backend.FEATURES, `variant_features`), and
+    whether and how a plan's key holds it (attnperf.plans). Its check is `prepare`'s, its
+    semantics the reference's (kernels/reference.py)."""
+
+    name: str  # the keyword, and the `Variant` field it sets
+    default: object  # its default in `attention`
+    feature: str | None  # the backend feature it asks for where set (not None or False)
+    words: str  # what a refusal calls that feature
+    # Whether a value of it is plain, so that a plan's key may hold it; None: a tensor's
+    # values, which no plan stands for (a call that sets it is checked every time).
+    plain: Callable[[object], bool] | None
+
+
+VARIANT_KEYWORDS = (
+    VariantKeyword("window", None, "window", "window", plain_window),
+    VariantKeyword("softcap", None, "softcap", "softcap",
+                   lambda value: value is None or type(value) in PLAIN_NUMBERS),
+    VariantKeyword("alibi_slopes", None, "alibi", "alibi_slopes", None),
+    VariantKeyword("block_mask", None, "block_mask", "block_mask", None),
+    VariantKeyword("align", "top_left", None, "align", lambda value: type(value) is str),
+    VariantKeyword("return_lse", False, "lse", "return_lse", lambda value: type(value) is bool),
+    VariantKeyword("sinks", None, "sinks", "sinks", None),
+)  # fmt: skip
+
+
+def variant_features(variant: Variant) -> set[str]:
+    """The backend features a call's variant keywords ask for: each one's that is set."""
+    features = set()
+    for keyword in VARIANT_KEYWORDS:
+        value = getattr(variant, keyword.name)
+        if keyword.feature is not None and value is not None and value is not False:
+            features.add(keyword.feature)
+    return features
 
 
 class QueryShaped:
@@ -210,21 +263,15 @@ class AttentionInputs(QueryShaped):
             "bool_mask": self.mask_kind == "bool",
             "float_mask": self.mask_kind == "float",
             "causal": self.is_causal,
-            "window": variant.window is not None,
             "bottom_right": self.offset != 0 and (self.band is not None
                                                   or variant.alibi_slopes is not None),
-            "softcap": variant.softcap is not None,
-            "alibi": variant.alibi_slopes is not None,
-            "block_mask": variant.block_mask is not None,
-            "lse": variant.return_lse,
             "gqa": self.q_heads != self.kv_heads,
             "dropout": self.dropout_p > 0,
             "backward": self.needs_grad,
             "varlen": variant.sequences is not None,
-            "sinks": variant.sinks is not None,
             "func_grad": func_grad_active(),
         }  # fmt: skip
-        return {name for name, needed in wanted.items() if needed}
+        return {name for name, needed in wanted.items() if needed} | variant_features(variant)
 
     @property
     def has_tensor_variant(self) -> bool:

@@ -30,16 +30,19 @@ from torch import Tensor
 
 from attnperf import dispatch
 from attnperf.backend import Backend
-from attnperf.inputs import AttentionInputs, Variant, restore_dense
+from attnperf.inputs import (
+    PLAIN_NUMBERS,
+    VARIANT_KEYWORDS,
+    AttentionInputs,
+    Variant,
+    plain_window,
+    restore_dense,
+)
 from attnperf.serving import KVCacheCall
 
 # Plans kept at most; past it they are dropped all at once (a model uses a handful).
 MAX_PLANS = 256
 _PLANS: dict[tuple, DensePlan | KVCacheCall | KVCacheStep] = {}
-
-# The scalar arguments' types that a plan's key may hold: each value of these types checks
-# alike (is_causal=1 is refused where True is not, so a key never mixes them).
-_NUMBER = (float, int)
 
 
 @dataclass(frozen=True)
@@ -132,12 +135,16 @@ def _optional_key(tensor: object) -> tuple | None:
     return _ABSENT if tensor is None else _tensor_key(tensor)
 
 
-def _plain_window(window: object) -> bool:
-    return window is None or (
-        type(window) is tuple
-        and len(window) == 2
-        and all(side is None or type(side) is int for side in window)
-    )
+# The variant keywords whose values a plan's key holds (with their test), and those whose
+# tensors no plan stands for (attnperf.inputs.VARIANT_KEYWORDS).
+# (Read by itemgetter, and tested only where not `attention`'s defaults: tested one by one,
+# they cost a short call ~0.7 us, a tenth of its Python.)
+_PLAIN = tuple(k for k in VARIANT_KEYWORDS if k.plain is not None)
+_PLAIN_VALUES = operator.itemgetter(*(k.name for k in _PLAIN))
+_PLAIN_DEFAULTS = tuple(k.default for k in _PLAIN)
+_PLAIN_TESTS = tuple(k.plain for k in _PLAIN)
+_TENSOR_VALUES = operator.itemgetter(*(k.name for k in VARIANT_KEYWORDS if k.plain is None))
+_TENSORS = sum(k.plain is None for k in VARIANT_KEYWORDS)
 
 
 def dense_key(
@@ -145,24 +152,17 @@ def dense_key(
 ) -> tuple | None:
     """The metadata an `attention` call's checks and backend choice depend on, or None
     where a plan cannot stand for them (a tensor variant, an argument of another type)."""
-    # Written out, not looped: a generator is a visible part of a short call's Python.
-    if (
-        attn_mask is not None
-        or variants["alibi_slopes"] is not None
-        or variants["block_mask"] is not None
-        or variants["sinks"] is not None
-    ):
+    if attn_mask is not None or _TENSOR_VALUES(variants).count(None) != _TENSORS:
         return None
-    window, softcap = variants["window"], variants["softcap"]
+    scalars = _PLAIN_VALUES(variants)
+    defaults = all(map(operator.is_, scalars, _PLAIN_DEFAULTS))  # by identity: 0 == False
+    if not defaults and not all(map(operator.call, _PLAIN_TESTS, scalars)):
+        return None
     plain = (
         type(is_causal) is bool
         and type(enable_gqa) is bool
-        and type(variants["return_lse"]) is bool
-        and type(dropout_p) in _NUMBER
-        and (scale is None or type(scale) in _NUMBER)
-        and (softcap is None or type(softcap) in _NUMBER)
-        and (window is None or _plain_window(window))
-        and type(variants["align"]) is str
+        and type(dropout_p) in PLAIN_NUMBERS
+        and (scale is None or type(scale) in PLAIN_NUMBERS)
         and type(backend) is str
         and type(query) is Tensor
         and type(key) is Tensor
@@ -193,13 +193,10 @@ def dense_key(
         scale,
         enable_gqa,
         backend,
-        window,
-        softcap,
-        variants["align"],
-        variants["return_lse"],
+        *scalars,
         torch.is_grad_enabled(),
         torch.get_num_threads(),
-    )  # fmt: skip (each tensor's as _tensor_key's, made in place: no call each)
+    )  # each tensor's metadata as _tensor_key's, made in place: no call each
 
 
 def dense_plan(key: tuple) -> DensePlan | None:
@@ -237,9 +234,9 @@ def kvcache_key(
         type(is_causal) is bool
         and type(return_lse) is bool
         and type(num_splits) is int
-        and (scale is None or type(scale) in _NUMBER)
-        and (softcap is None or type(softcap) in _NUMBER)
-        and _plain_window(window)
+        and (scale is None or type(scale) in PLAIN_NUMBERS)
+        and (softcap is None or type(softcap) in PLAIN_NUMBERS)
+        and plain_window(window)
     )
     if not plain:
         return None
@@ -314,9 +311,9 @@ def kvcache_step_key(
         and type(is_causal) is bool
         and type(return_lse) is bool
         and type(num_splits) is int
-        and (scale is None or type(scale) in _NUMBER)
-        and (softcap is None or type(softcap) in _NUMBER)
-        and (window is None or _plain_window(window))
+        and (scale is None or type(scale) in PLAIN_NUMBERS)
+        and (softcap is None or type(softcap) in PLAIN_NUMBERS)
+        and (window is None or plain_window(window))
         and type(q) is Tensor
         and type(k_cache) is Tensor
         and type(v_cache) is Tensor

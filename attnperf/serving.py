@@ -29,6 +29,7 @@ from attnperf.inputs import (
     check_sinks,
     check_softcap,
     check_window,
+    variant_features,
 )
 from attnperf.layouts import describe_type
 
@@ -327,17 +328,12 @@ class KVCacheInputs(QueryShaped):
         wanted = {
             "kvcache": True,
             "causal": self.is_causal,
-            "window": variant.window is not None,
             "bottom_right": shifted and (self.band is not None or variant.alibi_slopes is not None),
-            "softcap": variant.softcap is not None,
-            "alibi": variant.alibi_slopes is not None,
-            "lse": variant.return_lse,
-            "sinks": variant.sinks is not None,
             "gqa": self.q_heads != self.kv_heads,
             "kvcache_backward": self.needs_grad,
             "kvcache_int8": self.quantized,
         }
-        return {name for name, needed in wanted.items() if needed}
+        return {name for name, needed in wanted.items() if needed} | variant_features(variant)
 
     def restore(self, out: Tensor, lse: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
         """(B, Hq, Lq, Ev) -> the caller's (B, Lq, Hq, Ev); the LSE stays (B, Hq, Lq)."""

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnperf.backend import FEATURES, Backend, Capabilities
+from attnperf.backend import Backend, Capabilities
 from attnperf.inputs import SUPPORTED_DTYPES, AttentionInputs
 from attnperf.kernels.reference import dense_masks, variant_masks
 from attnperf.serving import KVCacheInputs, cached_keys
@@ -28,9 +28,11 @@ class SdpaBackend(Backend):
         devices=("cpu", "cuda"),
         dtypes=SUPPORTED_DTYPES,
         max_head_dim=None,
-        features=frozenset(FEATURES)
-        - {"softcap", "lse", "kvcache_backward", "kvcache_int8", "linear", "linear_backward"},
-    )
+        features=frozenset({
+            "bool_mask", "float_mask", "causal", "window", "alibi", "block_mask", "sinks",
+            "bottom_right", "gqa", "dropout", "backward", "func_grad", "varlen", "kvcache",
+        }),
+    )  # fmt: skip
     rank = {"cpu": 0, "cuda": 0}  # noqa: RUF012 (the peer: first unless a kernel leads)
 
     def run(self, inputs: AttentionInputs) -> tuple[Tensor, None]:

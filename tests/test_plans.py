@@ -9,7 +9,8 @@ import torch
 
 import attnperf
 from attnperf import api, cpu_table, dispatch, plans
-from attnperf.inputs import prepare
+from attnperf.backend import FEATURES
+from attnperf.inputs import VARIANT_KEYWORDS, prepare
 from attnperf.kernels.numba import attention, launch
 from attnperf.kernels.triton.attention import TritonForward
 
@@ -527,3 +528,27 @@ def test_a_numba_plans_forward_keeps_stats_only_for_calls_that_read_them():
         attnperf.attention(*leaves, backend="numba").sum().backward()
         for ours, peer in zip(leaves, peers, strict=True):
             torch.testing.assert_close(ours.grad, peer.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_the_variant_declarations_give_the_features_and_the_plan_keys():
+    """Each declared variant keyword (attnperf.inputs.VARIANT_KEYWORDS), set on a call,
+    asks for its declared feature (one of backend.FEATURES), and a plan's key holds its
+    value (another value, another key) or, for a tensor's, no plan stands for the call."""
+    q, k, v = qkv(1, 2, 8, 4)
+    layout = attnperf.block_mask(attnperf.layouts.causal(), None, None, 8, 8, block_size=16)
+    given = {
+        "window": (2, 0), "softcap": 5.0, "alibi_slopes": torch.ones(2), "block_mask": layout,
+        "align": "bottom_right", "return_lse": True, "sinks": torch.zeros(2),
+    }  # fmt: skip
+    assert set(given) == {keyword.name for keyword in VARIANT_KEYWORDS}
+    defaults = {keyword.name: keyword.default for keyword in VARIANT_KEYWORDS}
+    plain_key = plans.dense_key(q, k, v, None, 0.0, True, None, False, "auto", defaults)
+    assert plain_key is not None
+    for keyword in VARIANT_KEYWORDS:
+        variants = {**defaults, keyword.name: given[keyword.name]}
+        inputs = prepare(q, k, v, is_causal=True, **variants)
+        if keyword.feature is not None:
+            assert keyword.feature in FEATURES and keyword.feature in inputs.features()
+        key = plans.dense_key(q, k, v, None, 0.0, True, None, False, "auto", variants)
+        assert (key is None) == (keyword.plain is None)
+        assert key != plain_key

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from attnperf import cpu_table
-from attnperf.backend import FEATURES, Capabilities, FusedBackend, built_mask
+from attnperf.backend import Capabilities, FusedBackend, built_mask
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.numba.attention import (
     numba_attention_backward,
@@ -26,8 +26,12 @@ class NumbaBackend(FusedBackend):
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         max_head_dim=None,
-        features=frozenset(FEATURES) - {"dropout", "kvcache_backward", "func_grad"},
-    )
+        features=frozenset({
+            "bool_mask", "float_mask", "causal", "window", "softcap", "alibi", "block_mask",
+            "lse", "sinks", "bottom_right", "gqa", "backward", "varlen", "kvcache",
+            "kvcache_int8", "linear", "linear_backward",
+        }),
+    )  # fmt: skip
     rank = {"cpu": 1}  # noqa: RUF012 (after sdpa, where it does not lead)
 
     forward = staticmethod(numba_attention_forward)

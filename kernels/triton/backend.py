@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnperf.backend import FEATURES, Capabilities, FusedBackend, built_mask
+from attnperf.backend import Capabilities, FusedBackend, built_mask
 from attnperf.inputs import AttentionInputs
 from attnperf.kernels.triton.attention import (
     triton_attention_backward,
@@ -25,8 +25,12 @@ class TritonBackend(FusedBackend):
         devices=("cuda", "cpu") if INTERPRET else ("cuda",),
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
         max_head_dim=MAX_HEAD_DIM,
-        features=frozenset(FEATURES) - {"dropout", "kvcache_backward", "func_grad"},
-    )
+        features=frozenset({
+            "bool_mask", "float_mask", "causal", "window", "softcap", "alibi", "block_mask",
+            "lse", "sinks", "bottom_right", "gqa", "backward", "varlen", "kvcache",
+            "kvcache_int8", "linear", "linear_backward",
+        }),
+    )  # fmt: skip
     # After sdpa on CUDA: SDPA's own kernels beat it on the calls they serve as they are
     # (benches/README.md, "GPU"). Never tried by "auto" on the CPU (the interpreter).
     rank = {"cuda": 1}  # noqa: RUF012
