@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,32 +118,49 @@ def plain_window(window: object) -> bool:
     )
 
 
+# A variant keyword's values by their kind: how a plan's key tests that a value is plain
+# enough to hold (attnperf.plans); "tensor" (an optional tensor) and "layout" (an optional
+# BlockMask) are never plain: a call that sets one is checked every time. attnperf.ops
+# carries each kind through torch.compile's custom op.
+PLAIN_KINDS = {
+    "window": plain_window,
+    "number": lambda value: value is None or type(value) in PLAIN_NUMBERS,
+    "flag": lambda value: type(value) is bool,
+    "choice": lambda value: type(value) is str,
+}
+VARIANT_KINDS = (*PLAIN_KINDS, "tensor", "layout")
+
+
 @dataclass(frozen=True)
 class VariantKeyword:
     """One of `attention`'s variant keywords, declared once. Derived from it: the feature a
-    call that sets it needs a backend to declare (backend.FEATURES, `variant_features`), and
-    whether and how a plan's key holds it (attnperf.plans). Its check is `prepare`'s, its
-    semantics the reference's (kernels/reference.py)."""
+    call that sets it needs a backend to declare (backend.FEATURES, `variant_features`),
+    whether and how a plan's key holds it (attnperf.plans), and how it travels through
+    torch.compile's custom op (attnperf.ops). Its check is `prepare`'s, its semantics the
+    reference's (kernels/reference.py)."""
 
     name: str  # the keyword, and the `Variant` field it sets
     default: object  # its default in `attention`
     feature: str | None  # the backend feature it asks for where set (not None or False)
     words: str  # what a refusal calls that feature
-    # Whether a value of it is plain, so that a plan's key may hold it; None: a tensor's
-    # values, which no plan stands for (a call that sets it is checked every time).
-    plain: Callable[[object], bool] | None
+    kind: str  # one of VARIANT_KINDS
+    choices: tuple[str, ...] = ()  # a "choice" kind's values
+    differentiable: bool = False  # a "tensor" kind's: whether gradients reach it
+
+    def __post_init__(self):
+        if self.kind not in VARIANT_KINDS:
+            raise ValueError(f"{self.name}: kind must be one of {VARIANT_KINDS}, got {self.kind!r}")
 
 
 VARIANT_KEYWORDS = (
-    VariantKeyword("window", None, "window", "window", plain_window),
-    VariantKeyword("softcap", None, "softcap", "softcap",
-                   lambda value: value is None or type(value) in PLAIN_NUMBERS),
-    VariantKeyword("alibi_slopes", None, "alibi", "alibi_slopes", None),
-    VariantKeyword("block_mask", None, "block_mask", "block_mask", None),
-    VariantKeyword("align", "top_left", None, "align", lambda value: type(value) is str),
-    VariantKeyword("return_lse", False, "lse", "return_lse", lambda value: type(value) is bool),
-    VariantKeyword("sinks", None, "sinks", "sinks", None),
-)  # fmt: skip
+    VariantKeyword("window", None, "window", "window", "window"),
+    VariantKeyword("softcap", None, "softcap", "softcap", "number"),
+    VariantKeyword("alibi_slopes", None, "alibi", "alibi_slopes", "tensor"),
+    VariantKeyword("block_mask", None, "block_mask", "block_mask", "layout"),
+    VariantKeyword("align", "top_left", None, "align", "choice", choices=ALIGNMENTS),
+    VariantKeyword("return_lse", False, "lse", "return_lse", "flag"),
+    VariantKeyword("sinks", None, "sinks", "sinks", "tensor", differentiable=True),
+)
 
 
 def variant_features(variant: Variant) -> set[str]:

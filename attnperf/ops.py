@@ -5,64 +5,118 @@ sees one opaque op with a fake (shape-only) implementation, and autograd through
 that recomputes the forward under autograd and returns the input gradients. With dropout the
 forward op also returns the random generator's state from before it ran (as activation
 checkpointing does), and the backward recomputes under that state: the same dropout mask.
-The call's variant travels as typed arguments (`flatten_variant`); the op returns the LSE
-(empty unless asked for), whose gradient the backward op takes too.
+The call's variant travels as three typed arguments, derived from the variant keywords'
+declarations (attnperf.inputs.VARIANT_KEYWORDS, by kind: `flatten_variant`); the op
+returns the LSE (empty unless asked for), whose gradient the backward op takes too.
 """
 
 from __future__ import annotations
 
 import contextlib
+from numbers import Real
 
 import torch
 from torch import Tensor
 
 from attnperf import dispatch
-from attnperf.inputs import prepare
+from attnperf.inputs import VARIANT_KEYWORDS, prepare
 from attnperf.layouts import BlockMask
 
-NO_SIDE = -1  # a window side that is None (unbounded), as the op's int arguments carry it
+NO_SIDE = -1  # a window side that is None (unbounded), as the op's ints carry it
+ABSENT = -1  # an optional tensor or layout not given, as the op's ints carry it
 
 
-def flatten_variant(variants: dict) -> list:
-    """`attention`'s variant keywords as the custom op's typed arguments: window given,
-    left, right (NO_SIDE: None), softcap, alibi_slopes, align, return_lse, the block
-    layout's tensors and its ints (shape and block size; empty without one), sinks."""
-    window = variants.get("window")
-    layout = variants.get("block_mask")
-    left, right = window if isinstance(window, (tuple, list)) and len(window) == 2 else (0, 0)
-    return [
-        window is not None,
-        NO_SIDE if left is None else left,
-        NO_SIDE if right is None else right,
-        variants.get("softcap"),
-        variants.get("alibi_slopes"),
-        variants.get("align", "top_left"),
-        variants.get("return_lse", False),
-        [] if layout is None else [layout.kinds, layout.partial_index, layout.partial],
-        [] if layout is None else [*layout.shape, *layout.block_size],
-        variants.get("sinks"),
-    ]
+def flatten_variant(variants: dict) -> tuple[list[Tensor], list[int], list[float]]:
+    """`attention`'s variant keywords (absent ones: their defaults) as the custom op's
+    typed arguments (tensors, ints, floats), each keyword by its kind, in the declared
+    order: a window as (given, left, right) ints (NO_SIDE: None); a number as (given) and a
+    float; a flag as an int; a choice as its index; a tensor as its index in the tensors
+    (ABSENT: None); a BlockMask as its first tensor's index, its shape and block size, its
+    three tensors. Raises TypeError or ValueError naming a keyword whose value is none of
+    its kind's (`prepare` checks the rest inside the op)."""
+    tensors, ints, floats = [], [], []
+    for keyword in VARIANT_KEYWORDS:
+        name, kind = keyword.name, keyword.kind
+        value = variants.get(name, keyword.default)
+        if kind == "window":
+            left, right = _window_sides(name, value)
+            ints += [int(value is not None), left, right]
+        elif kind == "number":
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
+                raise TypeError(f"{name} must be a real number or None, got {type(value).__name__}")
+            ints.append(int(value is not None))
+            floats.append(0.0 if value is None else float(value))
+        elif kind == "flag":
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+            ints.append(int(value))
+        elif kind == "choice":
+            if value not in keyword.choices:
+                raise ValueError(f"{name} must be one of {keyword.choices}, got {value!r}")
+            ints.append(keyword.choices.index(value))
+        elif value is None:  # an absent tensor or layout
+            ints.append(ABSENT)
+        elif kind == "tensor":
+            ints.append(len(tensors))
+            tensors.append(value)
+        else:  # a layout
+            ints += [len(tensors), *value.shape, *value.block_size]
+            tensors += [value.kinds, value.partial_index, value.partial]
+    return tensors, ints, floats
 
 
-def unflatten_variant(has_window, left, right, softcap, alibi_slopes, align, return_lse,
-                      layout, layout_ints, sinks) -> dict:  # fmt: skip
+def _window_sides(name: str, window: object) -> tuple[int, int]:
+    """A window's (left, right) as ints (NO_SIDE: None), (0, 0) for None."""
+    if window is None:
+        return 0, 0
+    plain = (
+        isinstance(window, (tuple, list))
+        and len(window) == 2
+        and all(
+            side is None or (isinstance(side, int) and not isinstance(side, bool))
+            for side in window
+        )
+    )
+    if not plain:
+        raise TypeError(f"{name} must be a (left, right) pair of ints or None, got {window!r}")
+    left, right = window
+    return NO_SIDE if left is None else left, NO_SIDE if right is None else right
+
+
+def unflatten_variant(tensors: list[Tensor], ints: list[int], floats: list[float]) -> dict:
     """The inverse of flatten_variant: keywords for `prepare`."""
-    block_mask = None
-    if layout:
-        block_mask = BlockMask(tuple(layout_ints[:4]), tuple(layout_ints[4:]), *layout)
-    window = None
-    if has_window:
-        window = (None if left == NO_SIDE else left, None if right == NO_SIDE else right)
-    return {
-        "window": window, "softcap": softcap, "alibi_slopes": alibi_slopes,
-        "block_mask": block_mask, "align": align, "return_lse": return_lse, "sinks": sinks,
-    }  # fmt: skip
+    variants, at_int, at_float = {}, 0, 0
+    for keyword in VARIANT_KEYWORDS:
+        kind = keyword.kind
+        if kind == "window":
+            given, left, right = ints[at_int : at_int + 3]
+            at_int += 3
+            sides = tuple(None if side == NO_SIDE else side for side in (left, right))
+            value = sides if given else None
+        elif kind == "number":
+            value = floats[at_float] if ints[at_int] else None
+            at_int, at_float = at_int + 1, at_float + 1
+        elif kind == "flag":
+            value, at_int = bool(ints[at_int]), at_int + 1
+        elif kind == "choice":
+            value, at_int = keyword.choices[ints[at_int]], at_int + 1
+        else:
+            first, at_int = ints[at_int], at_int + 1
+            value = None if first == ABSENT else tensors[first]
+            if kind == "layout" and first != ABSENT:
+                shape, block_size = (
+                    tuple(ints[at_int : at_int + 4]),
+                    tuple(ints[at_int + 4 : at_int + 6]),
+                )
+                at_int += 6
+                value = BlockMask(shape, block_size, *tensors[first : first + 3])
+        variants[keyword.name] = value
+    return variants
 
 
 def _eager_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                     backend, variant) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(out, lse: empty unless the variant asks for it)."""
-    variants = unflatten_variant(*variant)
+                     backend, variants) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out, lse: empty unless `variants` (keywords) ask for it)."""
     inputs = prepare(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **variants
     )
@@ -123,26 +177,18 @@ def attention_op(
     scale: float | None,
     enable_gqa: bool,
     backend: str,
-    has_window: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float | None,
-    alibi_slopes: Tensor | None,
-    align: str,
-    return_lse: bool,
-    layout: list[Tensor],
-    layout_ints: list[int],
-    sinks: Tensor | None,
+    variant_tensors: list[Tensor],
+    variant_ints: list[int],
+    variant_floats: list[float],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(attention output (..., Hq, L, Ev) computed eagerly by `backend`, its LSE (empty
     unless return_lse), the random state the dropout drew from: empty without dropout)."""
     state = _rng_state(query.device) if dropout_p > 0 else query.new_empty(0, dtype=torch.uint8)
-    variant = (has_window, window_left, window_right, softcap, alibi_slopes, align, return_lse,
-               layout, layout_ints, sinks)  # fmt: skip
+    variants = unflatten_variant(variant_tensors, variant_ints, variant_floats)
     with torch.no_grad():
         out, lse = _eager_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-            variant,
+            variants,
         )  # fmt: skip
     return out.clone(), lse.clone(), state.clone()
 
@@ -150,7 +196,7 @@ def attention_op(
 @attention_op.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, *variant):
     state_size = _rng_state(query.device).numel() if dropout_p > 0 else 0
-    return_lse = variant[6]
+    return_lse = unflatten_variant(*variant)["return_lse"]
     return (
         query.new_empty((*query.shape[:-1], value.shape[-1])),
         query.new_empty(query.shape[:-1] if return_lse else 0, dtype=torch.float32),
@@ -170,39 +216,32 @@ def attention_backward_op(
     scale: float | None,
     enable_gqa: bool,
     backend: str,
-    has_window: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float | None,
-    alibi_slopes: Tensor | None,
-    align: str,
-    return_lse: bool,
-    layout: list[Tensor],
-    layout_ints: list[int],
-    sinks: Tensor | None,
+    variant_tensors: list[Tensor],
+    variant_ints: list[int],
+    variant_floats: list[float],
     grad_lse: Tensor,
     mask_needs_grad: bool,
     rng_state: Tensor,
 ) -> list[Tensor]:
-    """[dq, dk, dv, dmask, dsinks]: the forward recomputed under autograd (with dropout,
-    from the forward's `rng_state`), then differentiated (through the LSE too, where
-    `grad_lse` is not empty). dmask is empty unless `mask_needs_grad`, dsinks without
-    sinks."""
+    """[dq, dk, dv, dmask, *one per variant tensor]: the forward recomputed under autograd
+    (with dropout, from the forward's `rng_state`), then differentiated (through the LSE
+    too, where `grad_lse` is not empty). dmask is empty unless `mask_needs_grad`; a variant
+    tensor's gradient empty unless its keyword is differentiable (the sinks')."""
     replay = _replayed_rng(query.device, rng_state) if dropout_p > 0 else contextlib.nullcontext()
     with _autograd_inside_op(), replay:
         leaves = [t.detach().requires_grad_() for t in (query, key, value)]
-        if sinks is not None:
-            sinks = sinks.detach().requires_grad_()
-        variant = (has_window, window_left, window_right, softcap, alibi_slopes, align,
-                   return_lse, layout, layout_ints, sinks)  # fmt: skip
         mask = attn_mask
         if mask_needs_grad:
             mask = attn_mask.detach().requires_grad_()
             leaves.append(mask)
+        variant_tensors = list(variant_tensors)
+        differentiable = _differentiable_tensors(variant_ints)
+        for index in differentiable:
+            variant_tensors[index] = variant_tensors[index].detach().requires_grad_()
+            leaves.append(variant_tensors[index])
+        variants = unflatten_variant(variant_tensors, variant_ints, variant_floats)
         out, lse = _eager_attention(*leaves[:3], mask, dropout_p, is_causal, scale, enable_gqa,
-                                    backend, variant)  # fmt: skip
-        if sinks is not None:
-            leaves.append(sinks)
+                                    backend, variants)  # fmt: skip
         outputs, grads_in = [out], [grad_out]
         if grad_lse.numel():
             outputs.append(lse)
@@ -211,49 +250,75 @@ def attention_backward_op(
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves, strict=True)]
     if not mask_needs_grad:
         grads.insert(3, query.new_empty(0))
-    if sinks is None:
-        grads.append(query.new_empty(0))
-    return grads
+    tensor_grads = [query.new_empty(0) for _ in variant_tensors]  # no output aliases another
+    for index, grad in zip(differentiable, grads[4:], strict=True):
+        tensor_grads[index] = grad
+    return grads[:4] + tensor_grads
+
+
+def _differentiable_tensors(variant_ints: list[int]) -> list[int]:
+    """The indices, among a flattened variant's tensors, of those that gradients reach
+    (their keyword's `differentiable`), given."""
+    return [
+        index
+        for keyword, index in zip(VARIANT_KEYWORDS, _tensor_indices(variant_ints), strict=True)
+        if keyword.differentiable and index != ABSENT
+    ]
+
+
+def _tensor_indices(variant_ints: list[int]) -> list[int]:
+    """Each keyword's first tensor index in a flattened variant (ABSENT: none, or not a
+    tensor's kind), by walking its ints as flatten_variant wrote them."""
+    indices, at = [], 0
+    for keyword in VARIANT_KEYWORDS:
+        kind, index = keyword.kind, ABSENT
+        if kind == "window":
+            at += 3
+        elif kind in ("number", "flag", "choice"):
+            at += 1
+        else:
+            index = variant_ints[at]
+            at += 1 + (6 if kind == "layout" and index != ABSENT else 0)
+        indices.append(index)
+    return indices
 
 
 @attention_backward_op.register_fake
 def _(grad_out, query, key, value, attn_mask, *arguments):
-    sinks, mask_needs_grad = arguments[-4], arguments[-2]
+    variant_tensors, mask_needs_grad = arguments[5], arguments[-2]
     dmask = torch.empty_like(attn_mask) if mask_needs_grad else query.new_empty(0)
-    dsinks = query.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    differentiable = set(_differentiable_tensors(arguments[6]))
+    tensor_grads = [torch.empty_like(t) if i in differentiable else query.new_empty(0)
+                    for i, t in enumerate(variant_tensors)]  # fmt: skip
     return [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dmask,
-            dsinks]  # fmt: skip
-
-
-ARGUMENTS_AFTER_MASK = 15  # dropout_p .. sinks: passed through to the backward op
+            *tensor_grads]  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output):
-    alibi_slopes, layout, sinks = inputs[13], inputs[16], inputs[18]
-    ctx.save_for_backward(*inputs[:4], output[2], alibi_slopes, sinks, *layout)
-    ctx.arguments = inputs[4:]
-    ctx.layout_count = len(layout)
+    variant_tensors = inputs[9]
+    ctx.save_for_backward(*inputs[:4], output[2], *variant_tensors)
+    ctx.arguments = inputs[4:9]  # dropout_p .. backend
+    ctx.variant = inputs[10:]  # its ints and floats
     ctx.mark_non_differentiable(output[2])
 
 
 def _backward(ctx, grad_out, grad_lse, _grad_rng_state):
-    query, key, value, mask, rng_state, alibi_slopes, sinks, *layout = ctx.saved_tensors
+    query, key, value, mask, rng_state, *variant_tensors = ctx.saved_tensors
     mask_needs_grad = bool(mask is not None and ctx.needs_input_grad[3])
-    arguments = list(ctx.arguments)
-    # Saved, not held as plain references:
-    arguments[9], arguments[12], arguments[14] = alibi_slopes, layout, sinks
-    return_lse = arguments[11]
+    ints, floats = ctx.variant
+    return_lse = unflatten_variant(variant_tensors, ints, floats)["return_lse"]
     grad_lse = grad_lse if return_lse and grad_lse is not None else query.new_empty(0)
-    dq, dk, dv, dmask, dsinks = attention_backward_op(
-        grad_out, query, key, value, mask, *arguments, grad_lse, mask_needs_grad, rng_state
-    )
-    # No gradient for the other arguments, in their structure: a list per tensor list; the
-    # int list is one leaf (an empty one is an empty list).
-    others = [None] * ARGUMENTS_AFTER_MASK
-    others[12] = [None] * ctx.layout_count
-    others[13] = None if ctx.arguments[13] else []
-    others[14] = dsinks if sinks is not None else None
-    return dq, dk, dv, dmask if mask_needs_grad else None, *others
+    dq, dk, dv, dmask, *tensor_grads = attention_backward_op(
+        grad_out, query, key, value, mask, *ctx.arguments, variant_tensors, ints, floats,
+        grad_lse, mask_needs_grad, rng_state,
+    )  # fmt: skip
+    differentiable = set(_differentiable_tensors(ints))
+    tensor_grads = [g if i in differentiable else None for i, g in enumerate(tensor_grads)]
+    # No gradient for the other arguments; an int or float list is one leaf (an empty one
+    # an empty list).
+    others = [None] * 5
+    return (dq, dk, dv, dmask if mask_needs_grad else None, *others, tensor_grads,
+            None if ints else [], None if floats else [])  # fmt: skip
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

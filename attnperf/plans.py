@@ -31,6 +31,7 @@ from torch import Tensor
 from attnperf import dispatch
 from attnperf.backend import Backend
 from attnperf.inputs import (
+    PLAIN_KINDS,
     PLAIN_NUMBERS,
     VARIANT_KEYWORDS,
     AttentionInputs,
@@ -139,12 +140,12 @@ def _optional_key(tensor: object) -> tuple | None:
 # tensors no plan stands for (attnperf.inputs.VARIANT_KEYWORDS).
 # (Read by itemgetter, and tested only where not `attention`'s defaults: tested one by one,
 # they cost a short call ~0.7 us, a tenth of its Python.)
-_PLAIN = tuple(k for k in VARIANT_KEYWORDS if k.plain is not None)
+_PLAIN = tuple(k for k in VARIANT_KEYWORDS if k.kind in PLAIN_KINDS)
 _PLAIN_VALUES = operator.itemgetter(*(k.name for k in _PLAIN))
 _PLAIN_DEFAULTS = tuple(k.default for k in _PLAIN)
-_PLAIN_TESTS = tuple(k.plain for k in _PLAIN)
-_TENSOR_VALUES = operator.itemgetter(*(k.name for k in VARIANT_KEYWORDS if k.plain is None))
-_TENSORS = sum(k.plain is None for k in VARIANT_KEYWORDS)
+_PLAIN_TESTS = tuple(PLAIN_KINDS[k.kind] for k in _PLAIN)
+_TENSOR_VALUES = operator.itemgetter(*(k.name for k in VARIANT_KEYWORDS if k not in _PLAIN))
+_TENSORS = len(VARIANT_KEYWORDS) - len(_PLAIN)
 
 
 def dense_key(

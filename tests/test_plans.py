@@ -10,7 +10,7 @@ import torch
 import attnperf
 from attnperf import api, cpu_table, dispatch, plans
 from attnperf.backend import FEATURES
-from attnperf.inputs import VARIANT_KEYWORDS, prepare
+from attnperf.inputs import PLAIN_KINDS, VARIANT_KEYWORDS, prepare
 from attnperf.kernels.numba import attention, launch
 from attnperf.kernels.triton.attention import TritonForward
 
@@ -550,5 +550,5 @@ def test_the_variant_declarations_give_the_features_and_the_plan_keys():
         if keyword.feature is not None:
             assert keyword.feature in FEATURES and keyword.feature in inputs.features()
         key = plans.dense_key(q, k, v, None, 0.0, True, None, False, "auto", variants)
-        assert (key is None) == (keyword.plain is None)
+        assert (key is None) == (keyword.kind not in PLAIN_KINDS)
         assert key != plain_key
