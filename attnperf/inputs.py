@@ -163,6 +163,10 @@ VARIANT_KEYWORDS = (
 )
 
 
+# The keywords whose values are tensors (or hold some): a call's own, never a plan's.
+TENSOR_KEYWORDS = tuple(k.name for k in VARIANT_KEYWORDS if k.kind not in PLAIN_KINDS)
+
+
 def variant_features(variant: Variant) -> set[str]:
     """The backend features a call's variant keywords ask for: each one's that is set."""
     features = set()
@@ -298,9 +302,7 @@ class AttentionInputs(QueryShaped):
         return (
             self.attn_mask is not None
             or variant.sequences is not None
-            or variant.alibi_slopes is not None
-            or variant.block_mask is not None
-            or variant.sinks is not None
+            or any(getattr(variant, name) is not None for name in TENSOR_KEYWORDS)
         )
 
     @property

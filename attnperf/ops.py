@@ -85,7 +85,15 @@ def _window_sides(name: str, window: object) -> tuple[int, int]:
 
 def unflatten_variant(tensors: list[Tensor], ints: list[int], floats: list[float]) -> dict:
     """The inverse of flatten_variant: keywords for `prepare`."""
-    variants, at_int, at_float = {}, 0, 0
+    return _unflatten(tensors, ints, floats)[0]
+
+
+def _unflatten(
+    tensors: list[Tensor], ints: list[int], floats: list[float]
+) -> tuple[dict, dict[str, int]]:
+    """(unflatten_variant's keywords, the first tensor's index of each given tensor or
+    layout keyword)."""
+    variants, indices, at_int, at_float = {}, {}, 0, 0
     for keyword in VARIANT_KEYWORDS:
         kind = keyword.kind
         if kind == "window":
@@ -103,6 +111,8 @@ def unflatten_variant(tensors: list[Tensor], ints: list[int], floats: list[float
         else:
             first, at_int = ints[at_int], at_int + 1
             value = None if first == ABSENT else tensors[first]
+            if first != ABSENT:
+                indices[keyword.name] = first
             if kind == "layout" and first != ABSENT:
                 shape, block_size = (
                     tuple(ints[at_int : at_int + 4]),
@@ -111,7 +121,16 @@ def unflatten_variant(tensors: list[Tensor], ints: list[int], floats: list[float
                 at_int += 6
                 value = BlockMask(shape, block_size, *tensors[first : first + 3])
         variants[keyword.name] = value
-    return variants
+    return variants, indices
+
+
+def _differentiable_tensors(
+    tensors: list[Tensor], ints: list[int], floats: list[float]
+) -> list[int]:
+    """The indices, among a flattened variant's tensors, of those that gradients reach
+    (their keyword's `differentiable`), given."""
+    indices = _unflatten(tensors, ints, floats)[1]
+    return [indices[k.name] for k in VARIANT_KEYWORDS if k.differentiable and k.name in indices]
 
 
 def _eager_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -235,7 +254,7 @@ def attention_backward_op(
             mask = attn_mask.detach().requires_grad_()
             leaves.append(mask)
         variant_tensors = list(variant_tensors)
-        differentiable = _differentiable_tensors(variant_ints)
+        differentiable = _differentiable_tensors(variant_tensors, variant_ints, variant_floats)
         for index in differentiable:
             variant_tensors[index] = variant_tensors[index].detach().requires_grad_()
             leaves.append(variant_tensors[index])
@@ -256,38 +275,11 @@ def attention_backward_op(
     return grads[:4] + tensor_grads
 
 
-def _differentiable_tensors(variant_ints: list[int]) -> list[int]:
-    """The indices, among a flattened variant's tensors, of those that gradients reach
-    (their keyword's `differentiable`), given."""
-    return [
-        index
-        for keyword, index in zip(VARIANT_KEYWORDS, _tensor_indices(variant_ints), strict=True)
-        if keyword.differentiable and index != ABSENT
-    ]
-
-
-def _tensor_indices(variant_ints: list[int]) -> list[int]:
-    """Each keyword's first tensor index in a flattened variant (ABSENT: none, or not a
-    tensor's kind), by walking its ints as flatten_variant wrote them."""
-    indices, at = [], 0
-    for keyword in VARIANT_KEYWORDS:
-        kind, index = keyword.kind, ABSENT
-        if kind == "window":
-            at += 3
-        elif kind in ("number", "flag", "choice"):
-            at += 1
-        else:
-            index = variant_ints[at]
-            at += 1 + (6 if kind == "layout" and index != ABSENT else 0)
-        indices.append(index)
-    return indices
-
-
 @attention_backward_op.register_fake
 def _(grad_out, query, key, value, attn_mask, *arguments):
     variant_tensors, mask_needs_grad = arguments[5], arguments[-2]
     dmask = torch.empty_like(attn_mask) if mask_needs_grad else query.new_empty(0)
-    differentiable = set(_differentiable_tensors(arguments[6]))
+    differentiable = set(_differentiable_tensors(*arguments[5:8]))
     tensor_grads = [torch.empty_like(t) if i in differentiable else query.new_empty(0)
                     for i, t in enumerate(variant_tensors)]  # fmt: skip
     return [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dmask,
@@ -312,7 +304,7 @@ def _backward(ctx, grad_out, grad_lse, _grad_rng_state):
         grad_out, query, key, value, mask, *ctx.arguments, variant_tensors, ints, floats,
         grad_lse, mask_needs_grad, rng_state,
     )  # fmt: skip
-    differentiable = set(_differentiable_tensors(ints))
+    differentiable = set(_differentiable_tensors(variant_tensors, ints, floats))
     tensor_grads = [g if i in differentiable else None for i, g in enumerate(tensor_grads)]
     # No gradient for the other arguments; an int or float list is one leaf (an empty one
     # an empty list).

@@ -33,6 +33,7 @@ from attnperf.backend import Backend
 from attnperf.inputs import (
     PLAIN_KINDS,
     PLAIN_NUMBERS,
+    TENSOR_KEYWORDS,
     VARIANT_KEYWORDS,
     AttentionInputs,
     Variant,
@@ -139,13 +140,12 @@ def _optional_key(tensor: object) -> tuple | None:
 # The variant keywords whose values a plan's key holds (with their test), and those whose
 # tensors no plan stands for (attnperf.inputs.VARIANT_KEYWORDS).
 # (Read by itemgetter, and tested only where not `attention`'s defaults: tested one by one,
-# they cost a short call ~0.7 us, a tenth of its Python.)
+# they cost a short call a tenth of its Python.)
 _PLAIN = tuple(k for k in VARIANT_KEYWORDS if k.kind in PLAIN_KINDS)
 _PLAIN_VALUES = operator.itemgetter(*(k.name for k in _PLAIN))
 _PLAIN_DEFAULTS = tuple(k.default for k in _PLAIN)
 _PLAIN_TESTS = tuple(PLAIN_KINDS[k.kind] for k in _PLAIN)
-_TENSOR_VALUES = operator.itemgetter(*(k.name for k in VARIANT_KEYWORDS if k not in _PLAIN))
-_TENSORS = len(VARIANT_KEYWORDS) - len(_PLAIN)
+_TENSOR_VALUES = operator.itemgetter(*TENSOR_KEYWORDS)
 
 
 def dense_key(
@@ -153,7 +153,7 @@ def dense_key(
 ) -> tuple | None:
     """The metadata an `attention` call's checks and backend choice depend on, or None
     where a plan cannot stand for them (a tensor variant, an argument of another type)."""
-    if attn_mask is not None or _TENSOR_VALUES(variants).count(None) != _TENSORS:
+    if attn_mask is not None or _TENSOR_VALUES(variants).count(None) != len(TENSOR_KEYWORDS):
         return None
     scalars = _PLAIN_VALUES(variants)
     defaults = all(map(operator.is_, scalars, _PLAIN_DEFAULTS))  # by identity: 0 == False
@@ -314,7 +314,7 @@ def kvcache_step_key(
         and type(num_splits) is int
         and (scale is None or type(scale) in PLAIN_NUMBERS)
         and (softcap is None or type(softcap) in PLAIN_NUMBERS)
-        and (window is None or plain_window(window))
+        and plain_window(window)
         and type(q) is Tensor
         and type(k_cache) is Tensor
         and type(v_cache) is Tensor

@@ -39,8 +39,6 @@ from attnperf.kernels.numba.forward_rows import (
 )
 from attnperf.kernels.numba.jit import serial
 from attnperf.kernels.numba.launch import (
-    ELEMENTS,
-    HUGE_PAGE,
     any_layout,
     as_bf16_bits,
     as_fp32,
@@ -48,7 +46,7 @@ from attnperf.kernels.numba.launch import (
     empty_output,
     float32_array,
     fp32_operand,
-    in_huge_pages,
+    memory_at,
     memory_of,
     run_parallel,
     scratch,
@@ -117,7 +115,6 @@ class DenseForward:
         # bf16 calls on our tiles write their output rounded (the kernel's last pass), and
         # its rounding residual where a backward will read it.
         self.out_dtype = torch.bfloat16 if kind == BF16 else torch.float32
-        self.huge_out = math.prod(self.out_shape) * self.out_dtype.itemsize >= HUGE_PAGE
         self.stats_shape = (*self.out_shape[:3], 2)
         # The strides of the last call's q, k, v read in place, and their memory but for
         # its address (`operands`).
@@ -163,9 +160,7 @@ class DenseForward:
         self, query: Tensor, key: Tensor, value: Tensor
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         operands, _alive = self.operands(query, key, value)  # converted copies: to the end
-        out = torch.empty(*self.out_shape, dtype=self.out_dtype)
-        if self.huge_out:
-            in_huge_pages(out)
+        out = empty_output(self.out_shape, self.out_dtype)
         stats, stats_memory = stats_output(self.stats_shape, self.keep_stats)
         residual, residual_memory = None, _no_residual()[1]
         if self.keep_residual and self.kind == BF16:
@@ -176,8 +171,7 @@ class DenseForward:
                 if tensor is not None:
                     zero_memory(tensor)
         if self.kernel is not None:
-            out_memory = (out.data_ptr(), self.out_shape, ELEMENTS[self.out_dtype])
-            memory = (*operands, out_memory, stats_memory, residual_memory)
+            memory = (*operands, memory_at(out, self.out_shape), stats_memory, residual_memory)
             workspace = () if self.workspace is None else (scratch(*self.workspace),)
             args = (memory, *workspace, self.variant, self.scale, *self.blocks)
             if self.parallel:

@@ -44,11 +44,11 @@ from attnperf.kernels.numba.kvcache_tiles import (
     tile_softmax,
 )
 from attnperf.kernels.numba.launch import (
-    ELEMENTS,
     HUGE_PAGE,
     as_numpy,
     empty_output,
     memory_as,
+    memory_at,
     memory_of,
     run_parallel,
     stats_output,
@@ -490,7 +490,7 @@ class KVCacheLauncher:
         one_token = self.q_len == 1 and q.is_contiguous() and q.dtype == _ROWS_DTYPE[self.kind]
         batch, heads, q_len, value_dim = self.out_shape
         if one_token:  # (B, 1, Hq, E) is (B, H, group, E) rows, and the output's layouts agree
-            rows = (q.data_ptr(), self.rows_shape, ELEMENTS[q.dtype])  # q's shape: the key's
+            rows = memory_at(q, self.rows_shape)
             if self.out_like_q and not heads_first:  # q's dtype too: _ROWS_DTYPE's is the cache's
                 out = torch.empty_like(q)
             else:
@@ -512,7 +512,7 @@ class KVCacheLauncher:
                 rows, k_memory, v_memory, head_major, self.kind, (NO_SCALES, NO_SCALES),
                 self.table, self.with_step_sequences(table), self.scale,
                 split_count(self.num_splits, batch, cache_seqlens, threads), threads,
-                (out.data_ptr(), self.out_shape, ELEMENTS[self.out_dtype]), stats_memory,
+                memory_at(out, self.out_shape), stats_memory,
             )  # fmt: skip
         out = out if one_token else out.transpose(1, 2)
         return (out, lse_from_stats(stats)) if self.return_lse else out
@@ -540,7 +540,7 @@ def _head_major_memory(pages: Tensor) -> tuple | None:
     count, rows, heads, dim = pages.shape
     if pages.stride() != (heads * rows * dim, dim, rows * dim, 1) or heads == 1 or rows == 1:
         return None
-    return pages.data_ptr(), (count, heads, rows, dim), ELEMENTS[pages.dtype]
+    return memory_at(pages, (count, heads, rows, dim))
 
 
 def _page_memory(pages: Tensor, head_major: bool) -> tuple:

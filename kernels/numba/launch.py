@@ -157,12 +157,12 @@ def float32_array(shape: tuple[int, ...], zero: bool = False) -> tuple[Tensor, n
 
 def empty_output(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """A new tensor for a kernel to write, in huge pages where it spans some."""
-    return in_huge_pages(torch.empty(shape, dtype=dtype))
+    return in_huge_pages(torch.empty(*shape, dtype=dtype))  # unpacked: faster
 
 
 def in_huge_pages(tensor: Tensor) -> Tensor:
     """`tensor`, its memory asked to be backed by huge pages where it spans some."""
-    size = tensor.numel() * tensor.element_size()
+    size = tensor.nbytes
     if size >= HUGE_PAGE:
         ask_huge_pages(tensor.data_ptr(), size)
     return tensor
@@ -277,6 +277,12 @@ def memory_of(tensor: Tensor) -> tuple[int, tuple[int, ...], np.ndarray]:
     if not tensor.is_contiguous():
         raise ValueError(f"memory_of needs a C-contiguous tensor, got strides {tensor.stride()}")
     return tensor.data_ptr(), tuple(tensor.shape), ELEMENTS[tensor.dtype]
+
+
+def memory_at(tensor: Tensor, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...], np.ndarray]:
+    """`memory_as` unchecked: for a tensor whose shape the caller's kept metadata fixes (a
+    repeated call's, on its short path)."""
+    return tensor.data_ptr(), shape, ELEMENTS[tensor.dtype]
 
 
 def memory_as(tensor: Tensor, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...], np.ndarray]:
